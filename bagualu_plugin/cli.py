@@ -1,0 +1,207 @@
+"""The `bagualu` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .config import RecipeError, load_recipe
+from .costmodel import MITIGATIONS, Curve, OpId
+from .report import plot_curves, table
+from .stage import Stage
+from .units import fmt_bytes, fmt_seconds
+
+
+def _spike(text: str) -> tuple[int, float]:
+    mb, sep, factor = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(mb), float(factor)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--spike expects MICRO_BATCH:IMBALANCE, e.g. 7:2.6; got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bagualu", description="Adaptive activation-memory provisioning for MoE training.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("validate-recipe", help="check recipe files; every problem names its field")
+    v.add_argument("recipes", nargs="+", metavar="RECIPE", help="a YAML file or a built-in recipe name")
+
+    c = sub.add_parser("curve", help="per-op cost table and the iteration memory curve of a pipeline stage (paper §IV)")
+    c.add_argument("recipe", metavar="RECIPE", help="a YAML file or a built-in recipe name, e.g. glm-423b-a30b")
+    c.add_argument("--png", default="curve.png", help="where to write the memory curve (default: curve.png)")
+    c.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    c.add_argument(
+        "--spike",
+        type=_spike,
+        action="append",
+        default=[],
+        metavar="MB:IMBALANCE",
+        help="also draw the curve with micro-batch MB routing IMBALANCE x the balanced pairs to this device (repeatable)",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "validate-recipe":
+            return _validate(args.recipes)
+        return _curve(args)
+    except RecipeError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def _validate(paths: Sequence[str]) -> int:
+    failed = 0
+    for path in paths:
+        try:
+            r = load_recipe(path)
+        except RecipeError as exc:
+            print(exc, file=sys.stderr)
+            failed += 1
+            continue
+        print(f"ok: {path} ({r.model.family}, {r.gpus} devices of {r.hardware.name}, pp {r.pipeline.pp} rank {r.pipeline.rank})")
+    return 2 if failed else 0
+
+
+def _curve(args: argparse.Namespace) -> int:
+    recipe = load_recipe(args.recipe)
+    stage = Stage.of(recipe)
+    pipe, par = recipe.pipeline, recipe.parallel
+    imbalance = [1.0] * pipe.micro_batches
+    for mb, factor in args.spike:
+        if not 0 <= mb < pipe.micro_batches:
+            raise SystemExit(f"bagualu curve: --spike micro-batch {mb} must be in [0, {pipe.micro_batches})")
+        if factor <= 0:
+            raise SystemExit(f"bagualu curve: --spike imbalance must be > 0, got {factor}")
+        imbalance[mb] = factor
+    curves = [("balanced routing", stage.curve())]
+    if args.spike:
+        spikes = ", ".join(f"F{mb} x{f:g}" for mb, f in args.spike)
+        curves.append((f"routing spike ({spikes})", stage.curve(imbalance)))
+    rows = _op_rows(stage)
+    title = (
+        f"{args.recipe}: stage {pipe.rank}/{pipe.pp} on {recipe.hardware.name}, "
+        f"{pipe.micro_batches} micro-batches of {stage.tokens} tokens (1F1B, nothing mitigated)"
+    )
+    png = plot_curves(curves, args.png, stage.capacity, stage.static_bytes, title)
+    if args.json:
+        print(json.dumps(_as_json(stage, rows, curves, imbalance, str(png)), indent=1))
+    else:
+        print(_as_text(stage, rows, curves, title))
+        print(f"\nwrote {png}")
+    return 0
+
+
+def _op_rows(stage: Stage) -> list[dict]:
+    """Each op of the first block of every kind in the stage, with what each mitigation does."""
+    cm, seen, rows = stage.cost, set(), []
+    seq = stage.recipe.batch.seq_len
+    for cost in cm.op_costs(stage.tokens, seq_len=seq):
+        kind = cm.blocks[cost.op.layer].kind
+        if (kind, cost.op.name) in seen:
+            continue
+        seen.add((kind, cost.op.name))
+        mit = {
+            s: cm.mitigation_cost(OpId(cost.op.layer, cost.op.name), s, stage.tokens, seq_len=seq, options=stage.options)
+            for s in MITIGATIONS
+        }
+        rows.append({"op": cost.op, "kind": kind, "cost": cost, "mitigation": mit})
+    return rows
+
+
+def _as_text(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], title: str) -> str:
+    cm, recipe = stage.cost, stage.recipe
+    dense, expert = cm.parameter_counts()
+    layers = cm.layers
+    mb = stage.micro_batch()
+    out = [
+        title,
+        f"layers {layers[0]}-{layers[-1]} of {recipe.model.num_layers}"
+        + (" + embedding" if -1 in cm.blocks else "")
+        + (" + LM head" if recipe.model.num_layers in cm.blocks else "")
+        + f"; parallel dp {recipe.parallel.dp} tp {recipe.parallel.tp} ep {recipe.parallel.ep} pp {recipe.pipeline.pp}",
+        f"parameters here: {dense / 1e9:.2f} B dense + {expert / 1e9:.2f} B expert"
+        f" -> non-activation {fmt_bytes(stage.static_bytes)} of {fmt_bytes(stage.capacity)}",
+        "",
+        f"per-operator cost, T = {stage.tokens} tokens, S = {stage.tokens * cm.pairs_per_token:g} local routed pairs"
+        " (balanced); mitigation columns: bytes saved / time added (forward + backward)",
+    ]
+    headers = ["op", "Δt_f", "Δt_b", "Δm", *MITIGATIONS]
+    body = []
+    for r in rows:
+        c = r["cost"]
+        label = f"{r['kind']}.{c.op.name}"
+        body.append(
+            [label, fmt_seconds(c.forward_s), fmt_seconds(c.backward_s), fmt_bytes(c.saved_bytes)]
+            + [f"{fmt_bytes(m.bytes_saved)} / {fmt_seconds(m.forward_s + m.backward_s)}" for m in r["mitigation"].values()]
+        )
+    out += [table(headers, body), ""]
+    out.append(
+        f"micro-batch: Δt_f {fmt_seconds(mb.forward_s)}, Δt_b {fmt_seconds(mb.backward_s)}, "
+        f"Δm {fmt_bytes(mb.activation_bytes)}; M0 (full recompute) {fmt_bytes(stage.min_budget)}"
+    )
+    for label, curve in curves:
+        phases = {p: sum(1 for s in curve.steps if s.phase == p) for p in ("warmup", "steady", "cooldown")}
+        head = stage.capacity - curve.peak_bytes
+        verdict = f"headroom {fmt_bytes(head)}" if head >= 0 else f"OUT OF MEMORY by {fmt_bytes(-head)}"
+        out.append(
+            f"{label}: {phases['warmup']} warmup F, {phases['steady'] // 2} steady F/B, {phases['cooldown']} cooldown B; "
+            f"peak {fmt_bytes(curve.peak_bytes)} at the end of F{curve.peak_step.micro_batch} ({curve.peak_step.phase}, "
+            f"{curve.in_flight_at_peak} in flight, t = {fmt_seconds(curve.peak_time)}); {verdict}"
+        )
+    return "\n".join(out)
+
+
+def _as_json(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], imbalance: list[float], png: str) -> dict:
+    mb = stage.micro_batch()
+    return {
+        "recipe": stage.recipe.model_dump(mode="json"),
+        "tokens": stage.tokens,
+        "capacity_bytes": stage.capacity,
+        "static_bytes": stage.static_bytes,
+        "min_budget_bytes": stage.min_budget,
+        "micro_batch": {"forward_s": mb.forward_s, "backward_s": mb.backward_s, "activation_bytes": mb.activation_bytes},
+        "ops": [
+            {
+                "layer": r["op"].layer,
+                "name": r["op"].name,
+                "kind": r["kind"],
+                "forward_s": r["cost"].forward_s,
+                "backward_s": r["cost"].backward_s,
+                "saved_bytes": r["cost"].saved_bytes,
+                "mitigation": {
+                    s: {"bytes_saved": m.bytes_saved, "forward_s": m.forward_s, "backward_s": m.backward_s}
+                    for s, m in r["mitigation"].items()
+                },
+            }
+            for r in rows
+        ],
+        "curves": [
+            {
+                "label": label,
+                "imbalance": [1.0] * len(imbalance) if i == 0 else imbalance,
+                "peak_bytes": c.peak_bytes,
+                "peak_time_s": c.peak_time,
+                "peak_micro_batch": c.peak_step.micro_batch,
+                "peak_phase": c.peak_step.phase,
+                "in_flight_at_peak": c.in_flight_at_peak,
+                "fits": c.peak_bytes <= stage.capacity,
+                "times_s": c.times,
+                "bytes": c.bytes,
+                "steps": [f"{s.kind}{s.micro_batch}" for s in c.steps],
+            }
+            for i, (label, c) in enumerate(curves)
+        ],
+        "png": png,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

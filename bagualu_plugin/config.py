@@ -1,0 +1,342 @@
+"""The recipe: one YAML file that says which model runs on which hardware, how it is parallelised,
+and what the adaptive activation-memory system may do about it.
+
+Loading is strict (unknown keys, "8" for an int and duplicate YAML keys are errors) because a
+silently ignored typo in a memory budget shows up hours later as an out-of-memory crash. Every
+error names the file and the dotted field path, one line per problem.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from importlib.resources import files
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from .costmodel.dims import ModelDims, Parallel
+from .hardware import HardwareSpec, preset
+from .units import Bytes, fmt_bytes
+
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+# Pydantic names the member of a union that failed, e.g. s.x.literal['auto'] or
+# s.x.list[constrained-int].2; these tags are no field a user wrote.
+_UNION_TAG = re.compile(r"[a-z-]+\[.*\]|int|float|str|bool|none")
+_FIELD_PROBLEMS = "field_problems"
+
+
+def _reject(problems: list[tuple[str, str]]) -> None:
+    """Raise one validation error listing every (relative field path, message) problem.
+
+    A model validator can only attach its error to the model itself; the paths travel in the error
+    context so that RecipeError names the field the user has to change.
+    """
+    if problems:
+        summary = "; ".join(f"{path}: {msg}" for path, msg in problems)
+        raise PydanticCustomError(_FIELD_PROBLEMS, "{summary}", {"summary": summary, "problems": problems})
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Pipeline(_Section):
+    """This device's pipeline stage. The budget of each micro-batch depends on the 1F1B phase
+    (§V-A): stage `rank` of `pp` runs pp - rank - 1 warmup forwards before its first backward."""
+
+    pp: int = Field(default=1, ge=1)
+    rank: int = Field(default=0, ge=0)
+    micro_batches: int = Field(ge=1, description="micro-batches per iteration")
+    schedule: Literal["1f1b"] = "1f1b"
+
+    @model_validator(mode="after")
+    def _rank_in_pipeline(self) -> Pipeline:
+        _reject([("rank", f"rank ({self.rank}) must be < pp ({self.pp})")] if self.rank >= self.pp else [])
+        return self
+
+
+class Batch(_Section):
+    """One micro-batch: `tokens` = seq_len * micro_batch_size is the T of the cost model (§IV)."""
+
+    seq_len: int = Field(gt=0)
+    micro_batch_size: int = Field(default=1, gt=0)
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.micro_batch_size
+
+
+def _not_keep(name: object) -> object:
+    if name == "keep":
+        raise ValueError("'keep' is always allowed implicitly; list only recompute, offload or fp8")
+    return name
+
+
+Mitigation = Annotated[Literal["recompute", "offload", "fp8"], BeforeValidator(_not_keep)]
+
+
+class FP8Options(_Section):
+    """Saved activations stored as FP8 with one scale per block: per-tensor scales gave ~5e-2
+    gradient error in our measurements (DESIGN.md section 5)."""
+
+    block_size: int = Field(default=128, ge=16)
+    format: Literal["e4m3"] = "e4m3"
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, block_size: int) -> int:
+        if block_size & (block_size - 1):
+            raise ValueError(f"block_size ({block_size}) must be a power of two")
+        return block_size
+
+
+class OffloadOptions(_Section):
+    """Tensors below `min_bytes` are never offloaded: a copy's fixed launch cost outweighs them."""
+
+    min_bytes: Bytes = 2**20
+
+
+class Strategies(_Section):
+    """The per-operator mitigations the planner may choose from (§V-A, Algorithm 2)."""
+
+    allowed: list[Mitigation] = Field(default_factory=lambda: ["recompute", "offload", "fp8"])
+    fp8: FP8Options = FP8Options()
+    offload: OffloadOptions = OffloadOptions()
+
+    @field_validator("allowed")
+    @classmethod
+    def _unique(cls, allowed: list[str]) -> list[str]:
+        _reject([(str(i), f"{name!r} is listed twice") for i, name in enumerate(allowed) if name in allowed[:i]])
+        return allowed
+
+
+class Budget(_Section):
+    """Inputs of the pipeline-aware budget (§V-A, Algorithm 1): capacity M_max comes from the
+    hardware, M_used starts at the non-activation bytes, and every micro-batch not yet launched is
+    guaranteed at least M0 (`min_budget`, the activation memory under full recompute)."""
+
+    reserve_bytes: Bytes = Field(default=0, description="never given to activations (allocator, buffers)")
+    min_budget: Literal["auto"] | Bytes = Field(default="auto", description="M0; auto: from the cost model")
+    non_activation_bytes: Literal["auto"] | Bytes = Field(
+        default="auto", description="weights, grads, optimizer state; auto: from the per-parameter sizes below"
+    )
+    weight_bytes_per_param: float = Field(default=2.0, gt=0)
+    grad_bytes_per_param: float = Field(default=4.0, ge=0)
+    optimizer_bytes_per_param: float = Field(default=12.0, ge=0)
+    shard_optimizer: bool = Field(default=True, description="optimizer state divided over data-parallel ranks")
+
+
+class Telemetry(_Section):
+    """Where the per-micro-batch events (budget, plan, actual bytes) go."""
+
+    path: str | None = Field(default=None, description="JSON-lines file; None: no telemetry")
+
+
+class Spikes(_Section):
+    """Synthetic routing skew for simulation and demos. Imbalance is the busiest expert-parallel
+    rank's routed (token, expert) pairs over the mean. §II-B measured 97.1% of iterations below
+    1.2x and 2.9% spiking up to 2.6x; those are the defaults."""
+
+    enabled: bool = False
+    seed: int = Field(default=0, ge=0)
+    normal_max_imbalance: float = Field(default=1.2, ge=1)
+    spike_probability: float = Field(default=0.029, ge=0, le=1)
+    spike_max_imbalance: float = Field(default=2.6, ge=1)
+    layers: Literal["all"] | list[NonNegativeInt] = Field(default="all", description="MoE layers that may spike")
+    micro_batches: list[NonNegativeInt] | None = Field(default=None, description="None: any micro-batch")
+
+    @model_validator(mode="after")
+    def _spike_above_normal(self) -> Spikes:
+        if self.spike_max_imbalance < self.normal_max_imbalance:
+            msg = f"spike_max_imbalance ({self.spike_max_imbalance}) must be >= normal_max_imbalance"
+            _reject([("spike_max_imbalance", f"{msg} ({self.normal_max_imbalance})")])
+        return self
+
+
+class Recipe(_Section):
+    """A validated recipe; build it with `load_recipe` or `Recipe.from_dict`."""
+
+    hardware: HardwareSpec
+    model: ModelDims
+    parallel: Parallel = Parallel()
+    pipeline: Pipeline
+    batch: Batch
+    strategies: Strategies = Strategies()
+    budget: Budget = Budget()
+    telemetry: Telemetry = Telemetry()
+    spikes: Spikes = Spikes()
+
+    @field_validator("hardware", mode="before")
+    @classmethod
+    def _resolve_preset(cls, value: Any) -> Any:
+        """`h100`, or `{preset: h100, capacity_bytes: 40GiB}`: a preset with some fields replaced."""
+        if isinstance(value, str):
+            return preset(value)
+        if isinstance(value, dict) and "preset" in value:
+            overrides = {k: v for k, v in value.items() if k != "preset"}
+            return {**preset(str(value["preset"])).model_dump(), **overrides}
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Recipe:
+        m, par, pipe, budget, spikes = self.model, self.parallel, self.pipeline, self.budget, self.spikes
+        cap = self.hardware.capacity_bytes
+        checks = [
+            (m.num_experts % par.ep, "parallel.ep", f"ep ({par.ep}) must divide model.num_experts ({m.num_experts})"),
+            (
+                (par.dp * par.tp) % par.ep,
+                "parallel.ep",
+                f"ep ({par.ep}) must divide dp*tp ({par.dp * par.tp}): the expert-parallel group lives inside dp x tp",
+            ),
+            (
+                m.num_attention_heads % par.tp,
+                "parallel.tp",
+                f"tp ({par.tp}) must divide model.num_attention_heads ({m.num_attention_heads})",
+            ),
+            (
+                m.num_layers % pipe.pp,
+                "pipeline.pp",
+                f"pp ({pipe.pp}) must divide model.num_layers ({m.num_layers}): stages get equal layer counts",
+            ),
+        ]
+        for name in ("reserve_bytes", "min_budget", "non_activation_bytes"):
+            value = getattr(budget, name)
+            if value != "auto":
+                msg = f"{name} ({fmt_bytes(value)}) must be < hardware.capacity_bytes ({fmt_bytes(cap)})"
+                checks.append((value >= cap, f"budget.{name}", msg))
+        if spikes.layers != "all":
+            moe = set(m.moe_layers)
+            checks += [
+                (
+                    layer not in moe,
+                    f"spikes.layers.{i}",
+                    f"layer {layer} is not an MoE layer (MoE layers: {m.first_k_dense}..{m.num_layers - 1})",
+                )
+                for i, layer in enumerate(spikes.layers)
+            ]
+        checks += [
+            (
+                mb >= pipe.micro_batches,
+                f"spikes.micro_batches.{i}",
+                f"micro-batch {mb} must be < pipeline.micro_batches ({pipe.micro_batches})",
+            )
+            for i, mb in enumerate(spikes.micro_batches or [])
+        ]
+        _reject([(path, msg) for bad, path, msg in checks if bad])
+        return self
+
+    @property
+    def gpus(self) -> int:
+        return self.parallel.dp * self.parallel.tp * self.pipeline.pp
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> Recipe:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise RecipeError(source, _problems(exc)) from None
+
+
+class RecipeError(ValueError):
+    """Everything wrong with one recipe, one line per problem: `recipe <source>: <path>: <message>`."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        super().__init__(source, problems)
+        self.source, self.problems = source, problems
+
+    def __str__(self) -> str:
+        return "\n".join(f"recipe {self.source}: " + (f"{p}: {m}" if p else m) for p, m in self.problems)
+
+
+def _keys_at(path: list[str]) -> list[str]:
+    """The field names of the section at `path`, for an unknown key's message."""
+    section: type[BaseModel] = Recipe
+    for name in path:
+        annotation = section.model_fields[name].annotation
+        section = next(t for t in (annotation, *get_args(annotation)) if isinstance(t, type) and issubclass(t, BaseModel))
+    return list(section.model_fields)
+
+
+def _problems(exc: ValidationError) -> list[tuple[str, str]]:
+    problems = []
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and _UNION_TAG.fullmatch(p))]
+        if err["type"] == _FIELD_PROBLEMS:
+            problems += [(".".join([*loc, path]), msg) for path, msg in err["ctx"]["problems"]]
+            continue
+        if err["type"] == "value_error":
+            msg = str(err["ctx"]["error"])
+        elif err["type"] == "extra_forbidden":
+            msg = f"unknown key; expected one of: {', '.join(_keys_at(loc[:-1]))}"
+        elif err["type"] == "missing":
+            msg = "required, but missing"
+        else:
+            msg = f"{err['msg']}, got {err['input']!r}"
+        problems.append((".".join(loc), msg))
+    return problems
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load semantics, except that a key given twice is an error: PyYAML would silently
+    keep the last one."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._check_unique(node, [], set())
+        return super().construct_document(node)
+
+    def _check_unique(self, node: yaml.Node, path: list[str], seen: set[int]) -> None:
+        if id(node) in seen:  # an alias: checked where its anchor was defined
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._check_unique(item, [*path, str(i)], seen)
+        elif isinstance(node, yaml.MappingNode):
+            first_line: dict[str, int] = {}
+            for key, value in node.value:
+                name, line = str(key.value), key.start_mark.line + 1
+                if name in first_line:
+                    where = ".".join([*path, name])
+                    raise RecipeError(self.name, [(where, f"duplicate key at line {line} (first at line {first_line[name]})")])
+                first_line[name] = line
+                self._check_unique(value, [*path, name], seen)
+
+
+def builtin_recipes() -> dict[str, Path]:
+    """Recipes shipped in the package: family recipes and the paper's cluster presets (Table II)."""
+    root = Path(str(files("bagualu_plugin.recipes") / "bagualu"))
+    return {p.stem: p for p in [*sorted(root.glob("*.yaml")), *sorted(root.glob("cluster/*.yaml"))]}
+
+
+def load_recipe(path: str | os.PathLike[str]) -> Recipe:
+    """Read and validate a recipe file, or a built-in recipe by name (`glm-423b-a30b`)."""
+    builtin = builtin_recipes()
+    file = Path(path)
+    if not file.is_file() and str(path) in builtin:
+        file = builtin[str(path)]
+    source = str(file)
+    try:
+        with file.open("rb") as stream:
+            loader = _UniqueKeyLoader(stream)
+            try:
+                data = loader.get_single_data()
+            finally:
+                loader.dispose()
+    except OSError as exc:
+        msg = f"cannot read it ({exc.strerror}); built-in recipes: {', '.join(builtin)}"
+        raise RecipeError(source, [("", msg)]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise RecipeError(source, [("", f"invalid YAML: {where}{getattr(exc, 'problem', None) or exc}")]) from None
+    if data is None:
+        raise RecipeError(source, [("", "the file is empty; expected a mapping of sections (model, hardware, ...)")])
+    if not isinstance(data, dict):
+        msg = f"the top level must be a mapping of sections (model, hardware, ...), got a {type(data).__name__}"
+        raise RecipeError(source, [("", msg)])
+    return Recipe.from_dict(data, source)

@@ -1,0 +1,281 @@
+"""Operator graphs from model dimensions, for models far too large to run here (paper §IV-A).
+
+Each block lists, operator by operator, the storages that HF transformers' modules save for
+backward (DESIGN.md section 5: RMSNorm upcasts to FP32 and keeps the upcast and its reciprocal
+norm, linears keep their input, SiLU-gating keeps both halves, the `grouped_mm` experts keep the
+gathered tokens and index vectors, sdpa keeps q, k, v, its output and log-sum-exp). Casts that are
+no-ops in FP32 share the input's storage, so an FP32 model saves fewer distinct tensors.
+
+Times follow the roofline of one device: each load coefficient costs the larger of its FLOPs over
+peak FLOP/s and its bytes over HBM bandwidth, plus a launch per kernel; backward costs twice the
+forward. Tensor parallelism is Megatron-style with sequence parallelism: every per-token term of
+attention, norms and dense MLPs is divided by tp; experts are split by expert parallelism only.
+"""
+
+from __future__ import annotations
+
+from ..hardware import HardwareSpec
+from .dims import DTYPE_BYTES, ModelDims, Parallel, attention_params
+from .graph import INPUT, BlockGraph, OpSpec, TensorSpec
+from .linear import LinearForm
+
+_F32, _I64, _I32 = 4, 8, 4
+
+
+class _Block:
+    """Accumulates ops and tensors of one block; savers are added as ops are declared."""
+
+    def __init__(self, kind: str, dims: ModelDims, par: Parallel, hw: HardwareSpec):
+        self.kind, self.dims, self.par, self.hw = kind, dims, par, hw
+        self.b = DTYPE_BYTES[dims.dtype]
+        self.ops: list[OpSpec] = []
+        self.tensors: dict[str, dict] = {}
+        self.dense_params = self.expert_params = 0
+
+    # load units: per token of the micro-batch (split by tp), per routed pair, per score pair
+    def tok(self, x: float) -> LinearForm:
+        return LinearForm(per_token=x / self.par.tp)
+
+    def pair(self, x: float) -> LinearForm:
+        return LinearForm(per_routed=x)
+
+    def score(self, x: float) -> LinearForm:
+        return LinearForm(per_score=x / self.par.tp)
+
+    def tensor(self, name: str, producer: str, elements: LinearForm, dtype_bytes: int, floating: bool = True) -> str:
+        self.tensors[name] = dict(producer=producer, savers=[], elements=elements, dtype_bytes=dtype_bytes, floating=floating)
+        return name
+
+    def save(self, op: str, *names: str) -> None:
+        for n in names:
+            if op not in self.tensors[n]["savers"]:
+                self.tensors[n]["savers"].append(op)
+
+    def op(self, name: str, inputs: tuple[str, ...], flops: LinearForm, traffic: LinearForm, kernels: int) -> None:
+        """Forward time per load unit: max(FLOPs / peak, bytes / HBM bandwidth); backward 2x."""
+        hw = self.hw
+
+        def unit(f: float, m: float) -> float:
+            return max(f / hw.peak_flops, m / hw.hbm_bandwidth)
+
+        fwd = LinearForm(
+            unit(flops.const, traffic.const) + kernels * hw.kernel_launch_s,
+            unit(flops.per_token, traffic.per_token),
+            unit(flops.per_routed, traffic.per_routed),
+            unit(flops.per_score, traffic.per_score),
+        )
+        self.ops.append(OpSpec(name, inputs, fwd, fwd * 2))
+
+    def build(self) -> BlockGraph:
+        tensors = tuple(
+            TensorSpec(n, t["producer"], tuple(t["savers"]), t["elements"], t["dtype_bytes"], t["floating"])
+            for n, t in self.tensors.items()
+        )
+        return BlockGraph(self.kind, tuple(self.ops), tensors, self.dense_params, self.expert_params)
+
+    # building pieces shared by several ops ------------------------------------------------
+    def rmsnorm(self, prefix: str, producer: str, inp: str, width: int, groups: int = 1) -> list[str]:
+        """HF RMSNorm over `groups` vectors per token: upcast to FP32 (a no-op in FP32, which then
+        keeps `inp` itself), keep the upcast, 1/rms, and the normalised input in the model dtype
+        for the weight multiply. Returns the saved tensors."""
+        saved = [inp] if self.b == _F32 else [self.tensor(f"{prefix}.x32", producer, self.tok(width), _F32)]
+        saved.append(self.tensor(f"{prefix}.rstd", producer, self.tok(groups), _F32))
+        saved.append(self.tensor(f"{prefix}.normed", producer, self.tok(width), self.b))
+        return saved
+
+    def gated_mlp(self, op: str, inp: str, inter: int, width: int) -> None:
+        """down(silu(gate(x)) * up(x)): keeps x, gate, silu(gate), up and their product."""
+        saved = [inp] + [self.tensor(f"{op}.{n}", op, self.tok(inter), self.b) for n in ("gate", "silu", "up", "prod")]
+        self.save(op, *saved)
+        self.dense_params += 3 * width * inter // self.par.tp
+
+
+def _norm_op(blk: _Block, op: str, inp: str, out: str) -> None:
+    h = blk.dims.hidden_size
+    blk.save(op, *blk.rmsnorm(op, op, inp, h))
+    blk.tensor(out, op, blk.tok(h), blk.b)
+    blk.op(op, (inp,), blk.tok(4 * h), blk.tok((2 * blk.b + 2 * _F32) * h), kernels=6)
+    blk.dense_params += h
+
+
+def _attention(blk: _Block, inp: str) -> str:
+    """attn_norm, attn_qkv, attn_core, attn_out; returns the residual stream after attention."""
+    d, b = blk.dims, blk.b
+    h, nh, nkv, hd = d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim
+    _norm_op(blk, "attn_norm", inp, "attn_norm.out")
+
+    blk.save("attn_qkv", "attn_norm.out")
+    if d.mla is None:
+        q_w, k_w, v_w = nh * hd, nkv * hd, nkv * hd
+        if d.qk_norm:  # per-head RMSNorm on q and k before RoPE
+            for name, w in (("q", q_w), ("k", k_w)):
+                raw = blk.tensor(f"attn_qkv.{name}_raw", "attn_qkv", blk.tok(w), b)
+                blk.save("attn_qkv", *blk.rmsnorm(f"attn_qkv.{name}_norm", "attn_qkv", raw, w, groups=w // hd))
+        proj_flops = 2 * h * (q_w + k_w + v_w)
+    else:
+        m = d.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q_w, k_w, v_w = nh * qk, nh * qk, nh * (m.qk_nope_head_dim + m.v_head_dim)
+        for name, rank in (("q_a", m.q_lora_rank), ("kv_a", m.kv_lora_rank)):
+            if rank:  # the low-rank latent is RMS-normalised before its up-projection
+                raw = blk.tensor(f"attn_qkv.{name}_out", "attn_qkv", blk.tok(rank), b)
+                blk.save("attn_qkv", *blk.rmsnorm(f"attn_qkv.{name}_norm", "attn_qkv", raw, rank))
+        q_flops = 2 * h * q_w if m.q_lora_rank == 0 else 2 * m.q_lora_rank * (h + q_w)
+        kv_flops = 2 * h * (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * m.kv_lora_rank * v_w
+        proj_flops = q_flops + kv_flops
+    for name, w in (("q", q_w), ("k", k_w), ("v", v_w)):
+        blk.tensor(name, "attn_qkv", blk.tok(w), b)
+    blk.op(
+        "attn_qkv",
+        ("attn_norm.out",),
+        blk.tok(proj_flops),
+        LinearForm(const=attention_params(d) * b / blk.par.tp) + blk.tok((h + 2 * (q_w + k_w + v_w)) * b),
+        kernels=12,
+    )
+
+    # attn_core: causal attention over sequences; sdpa keeps its output and log-sum-exp, eager
+    # keeps the (heads x L x L) probabilities in FP32 and in the model dtype
+    ctx_w = nh * (hd if d.mla is None else d.mla.v_head_dim)
+    if d.attention == "sdpa":
+        blk.save("attn_core", "q", "k", "v")
+        blk.save("attn_core", blk.tensor("attn_core.out", "attn_core", blk.tok(ctx_w), b))
+        blk.save("attn_core", blk.tensor("attn_core.lse", "attn_core", blk.tok(nh), _F32))
+    else:
+        blk.save("attn_core", "q")
+        if d.mla is None and nkv != nh:  # repeat_kv copies k and v to every query head
+            blk.save("attn_core", blk.tensor("attn_core.k_rep", "attn_core", blk.tok(nh * hd), b))
+            blk.save("attn_core", blk.tensor("attn_core.v_rep", "attn_core", blk.tok(nh * hd), b))
+        else:
+            blk.save("attn_core", "k", "v")
+        blk.save("attn_core", blk.tensor("attn_core.probs32", "attn_core", blk.score(nh), _F32))
+        if b != _F32:
+            blk.save("attn_core", blk.tensor("attn_core.probs", "attn_core", blk.score(nh), b))
+    blk.tensor("ctx", "attn_core", blk.tok(ctx_w), b)
+    qk_dim = q_w // nh
+    blk.op(
+        "attn_core",
+        ("q", "k", "v"),
+        blk.score(nh * (qk_dim + ctx_w // nh)),  # 2 FLOPs x 2 matmuls, halved by the causal mask
+        blk.tok((q_w + k_w + v_w + 2 * ctx_w) * b) + (blk.score(nh * 2 * _F32) if d.attention == "eager" else LinearForm()),
+        kernels=4 if d.attention == "sdpa" else 8,
+    )
+
+    blk.save("attn_out", "ctx")
+    blk.tensor("attn_out.residual", "attn_out", blk.tok(h), b)
+    blk.op("attn_out", ("ctx",), blk.tok(2 * ctx_w * h), LinearForm(const=ctx_w * h * b / blk.par.tp) + blk.tok((ctx_w + 2 * h) * b), kernels=2)
+    blk.dense_params += attention_params(d) // blk.par.tp
+    return "attn_out.residual"
+
+
+def _moe(blk: _Block, h_in: str) -> None:
+    """router, expert_fc1, expert_act, expert_fc2, shared_expert (grouped_mm experts)."""
+    d, b = blk.dims, blk.b
+    h, E, k, inter = d.hidden_size, d.num_experts, d.top_k, d.moe_intermediate_size
+    local = E // blk.par.ep
+
+    fp32_router = d.family in ("glm4_moe", "deepseek_v3")
+    if fp32_router and b != _F32:
+        blk.save("router", blk.tensor("router.x32", "router", blk.tok(h), _F32))
+    else:
+        blk.save("router", h_in)
+    blk.save("router", blk.tensor("router.scores", "router", blk.tok(E), _F32))
+    blk.save("router", blk.tensor("router.topk_index", "router", blk.tok(k), _I64, floating=False))
+    blk.save("router", blk.tensor("router.topk_raw", "router", blk.tok(k), _F32))
+    blk.tensor("topk_index", "router", blk.tok(k), _I64, floating=False)
+    blk.tensor("topk_weights", "router", blk.tok(k), _F32)
+    blk.op("router", (h_in,), blk.tok(2 * h * E), LinearForm(const=E * h * _F32) + blk.tok(h * b + 3 * E * _F32), kernels=10)
+    blk.expert_params += E * h
+
+    offsets = blk.tensor("experts.offsets", "expert_fc1", LinearForm(const=local), _I32, floating=False)
+    blk.save("expert_fc1", offsets, blk.tensor("expert_fc1.token_index", "expert_fc1", blk.pair(1), _I64, floating=False))
+    blk.save("expert_fc1", blk.tensor("expert_fc1.x", "expert_fc1", blk.pair(h), b))
+    blk.tensor("fc1_out", "expert_fc1", blk.pair(2 * inter), b)
+    blk.op(
+        "expert_fc1",
+        (h_in, "topk_index"),
+        blk.pair(2 * h * 2 * inter),
+        LinearForm(const=local * 2 * inter * h * b) + blk.pair((2 * h + 2 * inter) * b),
+        kernels=6,
+    )
+
+    blk.save("expert_act", "fc1_out", blk.tensor("expert_act.silu", "expert_act", blk.pair(inter), b))
+    blk.tensor("act_out", "expert_act", blk.pair(inter), b)
+    blk.op("expert_act", ("fc1_out",), blk.pair(5 * inter), blk.pair(4 * inter * b), kernels=2)
+
+    blk.save("expert_fc2", offsets, "act_out", blk.tensor("expert_fc2.y", "expert_fc2", blk.pair(h), b))
+    blk.save("expert_fc2", blk.tensor("expert_fc2.weights", "expert_fc2", blk.pair(1), _F32))
+    for name in ("pair_index", "combine_index"):
+        blk.save("expert_fc2", blk.tensor(f"expert_fc2.{name}", "expert_fc2", blk.pair(1), _I64, floating=False))
+    blk.op(
+        "expert_fc2",
+        ("act_out", "topk_weights"),
+        blk.pair(2 * inter * h + h),
+        LinearForm(const=local * inter * h * b) + blk.pair((inter + 3 * h) * b),
+        kernels=5,
+    )
+    blk.expert_params += local * 3 * h * inter
+
+    if d.shared_expert_intermediate_size:
+        si = d.shared_expert_intermediate_size
+        blk.gated_mlp("shared_expert", h_in, si, h)
+        if d.family == "qwen2_moe":  # sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            blk.save("shared_expert", blk.tensor("shared_expert.gate_sig", "shared_expert", blk.tok(1), b))
+            blk.save("shared_expert", blk.tensor("shared_expert.out", "shared_expert", blk.tok(h), b))
+            blk.dense_params += h
+        blk.op(
+            "shared_expert",
+            (h_in,),
+            blk.tok(6 * h * si),
+            LinearForm(const=3 * h * si * b / blk.par.tp) + blk.tok((2 * h + 5 * si) * b),
+            kernels=5,
+        )
+
+
+def decoder_layer(dims: ModelDims, par: Parallel, hw: HardwareSpec, moe: bool) -> BlockGraph:
+    blk = _Block("moe" if moe else "dense", dims, par, hw)
+    blk.tensor("x", INPUT, blk.tok(dims.hidden_size), blk.b)
+    residual = _attention(blk, "x")
+    _norm_op(blk, "mlp_norm", residual, "mlp_norm.out")
+    if moe:
+        _moe(blk, "mlp_norm.out")
+    else:
+        di, h = dims.dense_intermediate_size, dims.hidden_size
+        blk.gated_mlp("dense_mlp", "mlp_norm.out", di, h)
+        blk.op(
+            "dense_mlp",
+            ("mlp_norm.out",),
+            blk.tok(6 * h * di),
+            LinearForm(const=3 * h * di * blk.b / par.tp) + blk.tok((2 * h + 5 * di) * blk.b),
+            kernels=5,
+        )
+    return blk.build()
+
+
+def embedding(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
+    """Token embedding (keeps the ids) and the RoPE tables every layer's attention keeps."""
+    blk = _Block("embed", dims, par, hw)
+    rope = dims.head_dim if dims.mla is None else dims.mla.qk_rope_head_dim
+    blk.save("embed", blk.tensor("embed.ids", "embed", LinearForm(per_token=1), _I64, floating=False))
+    blk.save("embed", blk.tensor("embed.cos", "embed", LinearForm(per_token=rope), blk.b))
+    blk.save("embed", blk.tensor("embed.sin", "embed", LinearForm(per_token=rope), blk.b))
+    h = dims.hidden_size
+    blk.op("embed", (), LinearForm(), LinearForm(per_token=(h + 2 * rope) * blk.b + _I64), kernels=4)
+    blk.dense_params += dims.vocab_size * h // par.tp
+    return blk.build()
+
+
+def lm_head(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
+    """Final norm, vocabulary projection (vocab-parallel over tp) and cross-entropy, which keeps
+    the FP32 log-probabilities and the targets."""
+    blk = _Block("head", dims, par, hw)
+    h, v = dims.hidden_size, dims.vocab_size
+    blk.tensor("x", INPUT, blk.tok(h), blk.b)
+    _norm_op(blk, "final_norm", "x", "final_norm.out")
+    blk.save("lm_head", "final_norm.out")
+    blk.tensor("logits", "lm_head", blk.tok(v), blk.b)
+    blk.op("lm_head", ("final_norm.out",), blk.tok(2 * h * v), LinearForm(const=h * v * blk.b / par.tp) + blk.tok((h + v) * blk.b), kernels=2)
+    blk.save("loss", blk.tensor("loss.logprobs", "loss", blk.tok(v), _F32))
+    blk.save("loss", blk.tensor("loss.targets", "loss", LinearForm(per_token=1), _I64, floating=False))
+    blk.op("loss", ("logits",), blk.tok(5 * v), blk.tok(v * (blk.b + 3 * _F32)), kernels=6)
+    blk.dense_params += h + v * h // par.tp
+    return blk.build()

@@ -1,0 +1,121 @@
+"""Model dimensions and the parallel layout: the numbers the analytic cost model is built from.
+
+These are also the `model:` and `parallel:` sections of a recipe, so one schema validates both a
+YAML file and a direct `CostModel.from_config(ModelDims(...))` call.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Family = Literal["glm4_moe", "deepseek_v3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"]
+FAMILIES: tuple[str, ...] = Family.__args__
+DType = Literal["bf16", "fp16", "fp32"]
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class MLADims(_Strict):
+    """Multi-head latent attention (DeepSeek-V3): low-rank q and kv with a decoupled RoPE part."""
+
+    q_lora_rank: int = Field(ge=0, description="0: q is projected directly from the hidden state")
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+
+
+class ModelDims(_Strict):
+    """A decoder-only MoE transformer as HF transformers builds it (DESIGN.md section 5)."""
+
+    family: Family
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_key_value_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    num_experts: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    moe_intermediate_size: int = Field(gt=0)
+    shared_expert_intermediate_size: int = Field(default=0, ge=0, description="0: no shared expert")
+    first_k_dense: int = Field(default=0, ge=0, description="leading layers with a dense MLP")
+    dense_intermediate_size: int = Field(default=0, ge=0)
+    qk_norm: bool = False
+    mla: MLADims | None = None
+    dtype: DType = "bf16"
+    attention: Literal["sdpa", "eager"] = Field(
+        default="sdpa", description="eager keeps the (T x T) probabilities: quadratic memory"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelDims:
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.first_k_dense > self.num_layers:
+            raise ValueError(f"first_k_dense ({self.first_k_dense}) exceeds num_layers ({self.num_layers})")
+        if self.first_k_dense and not self.dense_intermediate_size:
+            raise ValueError("dense_intermediate_size must be > 0 when first_k_dense > 0")
+        if (self.family == "deepseek_v3") != (self.mla is not None):
+            raise ValueError("mla dimensions are required for family deepseek_v3 and only for it")
+        return self
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return list(range(self.first_k_dense, self.num_layers))
+
+
+class Parallel(_Strict):
+    """How one device's share is cut: tensor (with sequence) parallel, expert parallel, data parallel."""
+
+    dp: int = Field(default=1, ge=1)
+    tp: int = Field(default=1, ge=1)
+    ep: int = Field(default=1, ge=1)
+    ep_rank: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> Parallel:
+        if self.ep_rank >= self.ep:
+            raise ValueError(f"ep_rank ({self.ep_rank}) must be < ep ({self.ep})")
+        return self
+
+
+def attention_params(d: ModelDims) -> int:
+    """Weights of one attention block (projections and q/k norms), without its input norm."""
+    h, nh, nkv, hd = d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim
+    if d.mla is not None:
+        m = d.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = h * nh * qk if m.q_lora_rank == 0 else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * nh * qk
+        kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+        kv += m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim)
+        return q + kv + nh * m.v_head_dim * h
+    return h * nh * hd * 2 + h * nkv * hd * 2 + (2 * hd if d.qk_norm else 0)
+
+
+def param_count(d: ModelDims, active: bool = False) -> int:
+    """Total (or per-token active) parameters, embeddings and an untied LM head included."""
+    h = d.hidden_size
+    mlp = 3 * h  # gate, up and down projections per unit of intermediate size
+    experts = d.top_k if active else d.num_experts
+    moe = mlp * d.moe_intermediate_size * experts + mlp * d.shared_expert_intermediate_size + h * d.num_experts
+    dense = mlp * d.dense_intermediate_size
+    per_layer = attention_params(d) + 2 * h
+    n_moe = d.num_layers - d.first_k_dense
+    return (
+        d.num_layers * per_layer
+        + n_moe * moe
+        + d.first_k_dense * dense
+        + 2 * d.vocab_size * h
+        + h
+    )

@@ -1,0 +1,111 @@
+"""The operator graph of one block (an MoE or dense decoder layer, the embedding, the LM head).
+
+An operator (paper §IV-A) has a forward and a backward time. Memory belongs to tensors, not to
+operators: each `TensorSpec` is one storage, made by one producer and saved for backward by zero
+or more operators (its savers). Two savers of one storage hold one copy; that is why mitigation
+must be judged per tensor, and where the conflicts of §V-A (one source tensor, consumers with
+different precision or placement) come from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .linear import LinearForm, Load
+
+LAYER_OPS = (
+    "attn_norm",
+    "attn_qkv",
+    "attn_core",
+    "attn_out",
+    "mlp_norm",
+    "router",
+    "expert_fc1",
+    "expert_act",
+    "expert_fc2",
+    "shared_expert",
+    "dense_mlp",
+)
+EMBED_OPS = ("embed",)
+HEAD_OPS = ("final_norm", "lm_head", "loss")
+INPUT = "input"  # producer of a block's input: the previous block's output
+BlockKind = Literal["embed", "dense", "moe", "head"]
+
+
+@dataclass(frozen=True, order=True)
+class OpId:
+    """One operator of the model: block index (-1 embedding, num_layers the head) and op name."""
+
+    layer: int
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.layer}.{self.name}"
+
+    @classmethod
+    def parse(cls, text: str) -> OpId:
+        layer, _, name = text.partition(".")
+        return cls(int(layer), name)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    producer: str
+    savers: tuple[str, ...]
+    elements: LinearForm
+    dtype_bytes: int
+    floating: bool = True  # integer tensors (routing indices) cannot be stored in FP8
+
+    def bytes(self, load: Load) -> float:
+        return self.elements.at(load) * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    inputs: tuple[str, ...]
+    forward_s: LinearForm
+    backward_s: LinearForm
+
+
+@dataclass(frozen=True)
+class BlockGraph:
+    kind: BlockKind
+    ops: tuple[OpSpec, ...]
+    tensors: tuple[TensorSpec, ...]
+    dense_params: int = 0  # parameters on this device, replicated over data parallel
+    expert_params: int = 0  # parameters of this device's experts, replicated over dp * tp / ep
+
+    def __post_init__(self) -> None:
+        names = [op.name for op in self.ops]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate op names in {self.kind} block: {names}")
+        tensors = {t.name for t in self.tensors}
+        if len(tensors) != len(self.tensors):
+            raise ValueError(f"duplicate tensor names in {self.kind} block")
+        for t in self.tensors:
+            unknown = {t.producer, *t.savers} - {*names, INPUT}
+            if unknown:
+                raise ValueError(f"tensor {t.name!r} names unknown ops {sorted(unknown)}")
+        for op in self.ops:
+            if set(op.inputs) - tensors:
+                raise ValueError(f"op {op.name!r} reads unknown tensors {sorted(set(op.inputs) - tensors)}")
+
+    def op(self, name: str) -> OpSpec:
+        for op in self.ops:
+            if op.name == name:
+                return op
+        raise KeyError(f"no op {name!r} in a {self.kind} block; it has {[o.name for o in self.ops]}")
+
+    @property
+    def op_names(self) -> tuple[str, ...]:
+        return tuple(op.name for op in self.ops)
+
+    def owner(self, tensor: TensorSpec) -> str | None:
+        """The op a saved tensor's bytes are charged to in per-op tables: its producer, or for
+        the block input its first saver. None for a tensor nothing saves."""
+        if not tensor.savers:
+            return None
+        return tensor.producer if tensor.producer != INPUT else tensor.savers[0]

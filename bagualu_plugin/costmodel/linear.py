@@ -1,0 +1,78 @@
+"""Costs that are linear in the load of a micro-batch (paper §IV-A).
+
+Every per-operator quantity of the cost model (forward time Δt_f, backward time Δt_b, saved
+elements) is a `LinearForm` over three load variables:
+
+- T, tokens of the micro-batch on this device (dense operators),
+- S, routed (token, expert) pairs landing on this device's experts (expert operators),
+- Q, attention score pairs, sum over sequences of L², i.e. T*L for sequences of length L
+  (the quadratic term of eager attention).
+
+The same form serves an analytic model built from dimensions and a model fitted to profiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Load:
+    """What one micro-batch puts on one MoE layer of one device."""
+
+    tokens: float
+    routed: float
+    score_pairs: float
+
+    @classmethod
+    def of(cls, tokens: float, routed: float | None, seq_len: float | None, top_k: float) -> Load:
+        """Sequences of `seq_len` tokens (None: one sequence of all tokens); routed None: T * top_k."""
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        if routed is not None and routed < 0:
+            raise ValueError(f"routed must be >= 0, got {routed}")
+        if seq_len is not None and (seq_len <= 0 or tokens % seq_len):
+            raise ValueError(f"seq_len must be a positive divisor of tokens ({tokens}), got {seq_len}")
+        length = tokens if seq_len is None else seq_len
+        return cls(tokens, tokens * top_k if routed is None else routed, tokens * length)
+
+
+@dataclass(frozen=True)
+class LinearForm:
+    """const + per_token * T + per_routed * S + per_score * Q."""
+
+    const: float = 0.0
+    per_token: float = 0.0
+    per_routed: float = 0.0
+    per_score: float = 0.0
+
+    def at(self, load: Load) -> float:
+        return (
+            self.const
+            + self.per_token * load.tokens
+            + self.per_routed * load.routed
+            + self.per_score * load.score_pairs
+        )
+
+    def __add__(self, other: LinearForm) -> LinearForm:
+        return LinearForm(
+            self.const + other.const,
+            self.per_token + other.per_token,
+            self.per_routed + other.per_routed,
+            self.per_score + other.per_score,
+        )
+
+    def __mul__(self, k: float) -> LinearForm:
+        return LinearForm(self.const * k, self.per_token * k, self.per_routed * k, self.per_score * k)
+
+    __rmul__ = __mul__
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: v for k, v in asdict(self).items() if v}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> LinearForm:
+        return cls(**d)
+
+
+ZERO = LinearForm()

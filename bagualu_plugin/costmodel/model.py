@@ -1,0 +1,299 @@
+"""`CostModel`: (Δt_f, Δt_b, Δm) of every operator of a model on one device (paper §IV).
+
+The model is a list of blocks (embedding -1, decoder layers 0..L-1, LM head L), each an operator
+graph whose costs are linear in the micro-batch load. It answers the questions the planner asks:
+how many bytes does a micro-batch keep for backward, under which plan, at what time cost, and what
+does one (operator, strategy) change buy. It is pure arithmetic, built analytically from model
+dimensions (`from_config`) or fitted to a real model by the profiler, and saved as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..hardware import HardwareSpec, preset
+from . import analytic
+from .dims import ModelDims, Parallel
+from .graph import BlockGraph, OpId, OpSpec, TensorSpec
+from .linear import LinearForm, Load
+from .mitigation import Footprint, MitigationOptions, footprint
+from .pipeline import MicroBatchCost
+
+FORMAT = "bagualu-costmodel/1"
+Routed = float | Sequence[float] | None
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One row of the per-operator table: times, and the saved bytes charged to the op."""
+
+    op: OpId
+    forward_s: float
+    backward_s: float
+    saved_bytes: float
+
+
+@dataclass(frozen=True)
+class MitigationCost:
+    """What applying one strategy to one op changes, relative to a base plan (§IV-B)."""
+
+    op: OpId
+    strategy: str
+    bytes_saved: float
+    forward_s: float  # added to the forward micro-batch
+    backward_s: float  # added to the backward micro-batch
+
+    @property
+    def bandwidth(self) -> float:
+        """Mitigation bandwidth: bytes saved per second of added time."""
+        added = self.forward_s + self.backward_s
+        return self.bytes_saved / added if added > 0 else float("inf")
+
+
+class CostModel:
+    def __init__(
+        self,
+        blocks: Mapping[int, BlockGraph],
+        hardware: HardwareSpec,
+        pairs_per_token: float,
+        name: str = "",
+        source: str = "analytic",
+    ):
+        if not blocks:
+            raise ValueError("a CostModel needs at least one block")
+        self.blocks = dict(sorted(blocks.items()))
+        self.hardware = hardware
+        self.pairs_per_token = pairs_per_token  # local routed pairs per token under balanced routing
+        self.name = name
+        self.source = source
+
+    # construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_config(
+        cls,
+        dims: ModelDims,
+        hardware: HardwareSpec | str = "h100",
+        parallel: Parallel = Parallel(),
+        name: str = "",
+    ) -> CostModel:
+        """Analytic costs from model dimensions on `hardware`, as one device of `parallel` sees them."""
+        hw = preset(hardware) if isinstance(hardware, str) else hardware
+        if dims.num_experts % parallel.ep:
+            raise ValueError(f"parallel.ep ({parallel.ep}) must divide num_experts ({dims.num_experts})")
+        if dims.num_attention_heads % parallel.tp:
+            raise ValueError(f"parallel.tp ({parallel.tp}) must divide num_attention_heads ({dims.num_attention_heads})")
+        blocks = {-1: analytic.embedding(dims, parallel, hw), dims.num_layers: analytic.lm_head(dims, parallel, hw)}
+        dense = analytic.decoder_layer(dims, parallel, hw, moe=False) if dims.first_k_dense else None
+        moe = analytic.decoder_layer(dims, parallel, hw, moe=True)
+        for i in range(dims.num_layers):
+            blocks[i] = dense if i < dims.first_k_dense else moe
+        return cls(blocks, hw, dims.top_k / parallel.tp, name=name or dims.family)
+
+    # queries ---------------------------------------------------------------------------------
+    @property
+    def layers(self) -> list[int]:
+        """Decoder layers in this model (or stage)."""
+        return [i for i, b in self.blocks.items() if b.kind in ("moe", "dense")]
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i, b in self.blocks.items() if b.kind == "moe"]
+
+    def ops(self) -> list[OpId]:
+        return [OpId(i, op.name) for i, b in self.blocks.items() for op in b.ops]
+
+    def loads(self, tokens: int, routed: Routed = None, seq_len: int | None = None) -> dict[int, Load]:
+        """The load of each block. `routed`: local routed pairs of every MoE layer (a number for
+        all, or one per MoE layer in order); None means balanced routing, tokens * pairs_per_token."""
+        moe = self.moe_layers
+        if routed is None or isinstance(routed, (int, float)):
+            per_layer = dict.fromkeys(moe, routed)
+        else:
+            routed = list(routed)
+            if len(routed) != len(moe):
+                raise ValueError(f"routed has {len(routed)} entries, expected one per MoE layer ({len(moe)}: {moe})")
+            per_layer = dict(zip(moe, routed))
+        return {
+            i: Load.of(tokens, per_layer.get(i, 0), seq_len, self.pairs_per_token)
+            for i in self.blocks
+        }
+
+    def _split(self, plan: Mapping[OpId, str] | None) -> dict[int, dict[str, str]]:
+        per_block: dict[int, dict[str, str]] = {i: {} for i in self.blocks}
+        for op, strategy in (plan or {}).items():
+            if op.layer not in per_block:
+                raise KeyError(f"plan names {op}, but this model has blocks {list(self.blocks)}")
+            per_block[op.layer][op.name] = strategy
+        return per_block
+
+    def footprint(
+        self,
+        tokens: int,
+        routed: Routed = None,
+        seq_len: int | None = None,
+        plan: Mapping[OpId, str] | None = None,
+        options: MitigationOptions = MitigationOptions(),
+    ) -> Footprint:
+        loads, plans = self.loads(tokens, routed, seq_len), self._split(plan)
+        total = Footprint()
+        for i, block in self.blocks.items():
+            total += footprint(block, plans[i], loads[i], self.hardware, options)
+        return total
+
+    def activation_bytes(
+        self,
+        tokens: int,
+        routed: Routed = None,
+        seq_len: int | None = None,
+        plan: Mapping[OpId, str] | None = None,
+        options: MitigationOptions = MitigationOptions(),
+    ) -> int:
+        """Bytes the autograd graph holds on the device at the end of one forward micro-batch."""
+        return round(self.footprint(tokens, routed, seq_len, plan, options).device_bytes)
+
+    def micro_batch(
+        self,
+        tokens: int,
+        routed: Routed = None,
+        seq_len: int | None = None,
+        plan: Mapping[OpId, str] | None = None,
+        options: MitigationOptions = MitigationOptions(),
+    ) -> MicroBatchCost:
+        """The micro-batch triangle: summed op times plus mitigation overhead, and device bytes."""
+        loads = self.loads(tokens, routed, seq_len)
+        fp = self.footprint(tokens, routed, seq_len, plan, options)
+        fwd = sum(op.forward_s.at(loads[i]) for i, b in self.blocks.items() for op in b.ops)
+        bwd = sum(op.backward_s.at(loads[i]) for i, b in self.blocks.items() for op in b.ops)
+        return MicroBatchCost(fwd + fp.forward_extra_s, bwd + fp.backward_extra_s, fp.device_bytes)
+
+    def op_costs(self, tokens: int, routed: Routed = None, seq_len: int | None = None) -> list[OpCost]:
+        """Per-operator (Δt_f, Δt_b, Δm) with nothing mitigated; Δm sums to `activation_bytes`."""
+        loads, rows = self.loads(tokens, routed, seq_len), []
+        for i, block in self.blocks.items():
+            charged = dict.fromkeys(block.op_names, 0.0)
+            for t in block.tensors:
+                owner = block.owner(t)
+                if owner is not None:
+                    charged[owner] += t.bytes(loads[i])
+            for op in block.ops:
+                rows.append(OpCost(OpId(i, op.name), op.forward_s.at(loads[i]), op.backward_s.at(loads[i]), charged[op.name]))
+        return rows
+
+    def mitigation_cost(
+        self,
+        op: OpId,
+        strategy: str,
+        tokens: int,
+        routed: Routed = None,
+        seq_len: int | None = None,
+        base: Mapping[OpId, str] | None = None,
+        options: MitigationOptions = MitigationOptions(),
+    ) -> MitigationCost:
+        """Bytes saved and time added by setting `op` to `strategy` on top of `base` (all keep)."""
+        if op.layer not in self.blocks:
+            raise KeyError(f"no block {op.layer} in this model; it has {list(self.blocks)}")
+        self.blocks[op.layer].op(op.name)
+        base = dict(base or {})
+        block, load = self.blocks[op.layer], self.loads(tokens, routed, seq_len)[op.layer]
+        plans = self._split(base)[op.layer]
+        before = footprint(block, plans, load, self.hardware, options)
+        after = footprint(block, {**plans, op.name: strategy}, load, self.hardware, options)
+        return MitigationCost(
+            op,
+            strategy,
+            before.device_bytes - after.device_bytes,
+            after.forward_extra_s - before.forward_extra_s,
+            after.backward_extra_s - before.backward_extra_s,
+        )
+
+    def full_recompute(self) -> dict[OpId, str]:
+        """Every op recomputed: each block keeps only its input (the paper's M0 plan)."""
+        return dict.fromkeys(self.ops(), "recompute")
+
+    # pipeline stages and static memory ---------------------------------------------------------
+    def stage(self, pp: int, rank: int) -> CostModel:
+        """The blocks that rank `rank` of a `pp`-stage pipeline holds: an equal share of the
+        decoder layers, the embedding on the first stage, the LM head on the last."""
+        layers = self.layers
+        if pp < 1 or not 0 <= rank < pp:
+            raise ValueError(f"need 0 <= rank < pp, got rank={rank}, pp={pp}")
+        if len(layers) % pp:
+            raise ValueError(f"{len(layers)} decoder layers do not split evenly over pp={pp} stages")
+        n = len(layers) // pp
+        keep = set(layers[rank * n : (rank + 1) * n])
+        keep |= {i for i, b in self.blocks.items() if (b.kind == "embed" and rank == 0) or (b.kind == "head" and rank == pp - 1)}
+        blocks = {i: b for i, b in self.blocks.items() if i in keep}
+        return CostModel(blocks, self.hardware, self.pairs_per_token, f"{self.name} stage {rank}/{pp}", self.source)
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(dense, expert) parameters held on this device."""
+        return (
+            sum(b.dense_params for b in self.blocks.values()),
+            sum(b.expert_params for b in self.blocks.values()),
+        )
+
+    def static_bytes(
+        self,
+        weight_bytes: float,
+        grad_bytes: float,
+        optimizer_bytes: float,
+        dense_shards: int = 1,
+        expert_shards: int = 1,
+    ) -> int:
+        """Non-activation memory: weights and gradients of every local parameter, optimizer state
+        sharded over the replicas of each parameter (data parallel for dense, dp*tp/ep for experts)."""
+        dense, expert = self.parameter_counts()
+        per = weight_bytes + grad_bytes
+        return round(dense * (per + optimizer_bytes / dense_shards) + expert * (per + optimizer_bytes / expert_shards))
+
+    # persistence -----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "name": self.name,
+            "source": self.source,
+            "pairs_per_token": self.pairs_per_token,
+            "hardware": self.hardware.model_dump(),
+            "blocks": [
+                {
+                    "index": i,
+                    "kind": b.kind,
+                    "dense_params": b.dense_params,
+                    "expert_params": b.expert_params,
+                    "ops": [
+                        {"name": o.name, "inputs": list(o.inputs), "forward_s": o.forward_s.to_dict(), "backward_s": o.backward_s.to_dict()}
+                        for o in b.ops
+                    ],
+                    "tensors": [{**asdict(t), "savers": list(t.savers), "elements": t.elements.to_dict()} for t in b.tensors],
+                }
+                for i, b in self.blocks.items()
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostModel:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"not a cost model file: format is {data.get('format')!r}, expected {FORMAT!r}")
+        blocks = {}
+        for b in data["blocks"]:
+            ops = tuple(
+                OpSpec(o["name"], tuple(o["inputs"]), LinearForm.from_dict(o["forward_s"]), LinearForm.from_dict(o["backward_s"]))
+                for o in b["ops"]
+            )
+            tensors = tuple(
+                TensorSpec(**{**t, "savers": tuple(t["savers"]), "elements": LinearForm.from_dict(t["elements"])})
+                for t in b["tensors"]
+            )
+            blocks[b["index"]] = BlockGraph(b["kind"], ops, tensors, b["dense_params"], b["expert_params"])
+        hw = HardwareSpec.model_validate(data["hardware"], strict=False)
+        return cls(blocks, hw, data["pairs_per_token"], data["name"], data["source"])
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        return cls.from_dict(json.loads(Path(path).read_text()))

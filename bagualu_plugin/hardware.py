@@ -1,0 +1,116 @@
+"""What one accelerator offers: compute, memory, and the links that offload and dispatch use.
+
+The cost model (paper §IV) turns these numbers into operator times and into the knee points
+(S_i, B_i) of each mitigation strategy's roofline: kernel launch overhead and HBM bandwidth bound
+recompute and FP8 casts, copy launch overhead and host-link bandwidth bound offload.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .units import Bandwidth, Bytes, Flops, Seconds
+
+
+class HardwareSpec(BaseModel):
+    """One device. Bandwidths are per direction and per device; sizes in bytes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str = Field(min_length=1)
+    peak_flops: Flops = Field(gt=0, description="dense BF16 FLOP/s")
+    capacity_bytes: Bytes = Field(gt=0, description="device memory (HBM)")
+    hbm_bandwidth: Bandwidth = Field(gt=0)
+    host_link_bandwidth: Bandwidth = Field(gt=0, description="device<->host, drives offload cost")
+    intra_node_bandwidth: Bandwidth = Field(gt=0)
+    inter_node_bandwidth: Bandwidth = Field(gt=0)
+    devices_per_node: int = Field(ge=1)
+    kernel_launch_s: Seconds = Field(gt=0, description="fixed cost of one kernel")
+    copy_launch_s: Seconds = Field(gt=0, description="fixed cost of one host<->device copy")
+    simulated: bool = Field(default=False, description="capacity is enforced by the Ledger, not by a device")
+
+
+_GIB, _MIB = 2**30, 2**20
+
+PRESETS: dict[str, HardwareSpec] = {
+    spec.name: spec
+    for spec in (
+        # §VI-A: 480 TFLOP/s BF16, 64 GB HBM, 8 per node, 400 GB/s intra-node, 4x400 Gb/s per node.
+        # Host link: Fig. 6 offloads 96 MB in 2.0 ms each way (48 GB/s). HBM bandwidth is not
+        # given in the paper; 1.8 TB/s is an assumption of the HBM2e class at 64 GB.
+        HardwareSpec(
+            name="bagualu2",
+            peak_flops=480e12,
+            capacity_bytes=64 * _GIB,
+            hbm_bandwidth=1.8e12,
+            host_link_bandwidth=48e9,
+            intra_node_bandwidth=400e9,
+            inter_node_bandwidth=4 * 400e9 / 8 / 8,
+            devices_per_node=8,
+            kernel_launch_s=5e-6,
+            copy_launch_s=10e-6,
+        ),
+        # Datasheet figures; capacities as the CUDA driver reports them; PCIe per direction;
+        # NVLink per direction; one NIC per GPU.
+        HardwareSpec(
+            name="h100",
+            peak_flops=989.4e12,
+            capacity_bytes=81559 * _MIB,
+            hbm_bandwidth=3.35e12,
+            host_link_bandwidth=64e9,
+            intra_node_bandwidth=450e9,
+            inter_node_bandwidth=400e9 / 8,
+            devices_per_node=8,
+            kernel_launch_s=5e-6,
+            copy_launch_s=10e-6,
+        ),
+        HardwareSpec(
+            name="h200",
+            peak_flops=989.4e12,
+            capacity_bytes=143771 * _MIB,
+            hbm_bandwidth=4.8e12,
+            host_link_bandwidth=64e9,
+            intra_node_bandwidth=450e9,
+            inter_node_bandwidth=400e9 / 8,
+            devices_per_node=8,
+            kernel_launch_s=5e-6,
+            copy_launch_s=10e-6,
+        ),
+        HardwareSpec(
+            name="a100",
+            peak_flops=312e12,
+            capacity_bytes=81920 * _MIB,
+            hbm_bandwidth=2.039e12,
+            host_link_bandwidth=32e9,
+            intra_node_bandwidth=300e9,
+            inter_node_bandwidth=200e9 / 8,
+            devices_per_node=8,
+            kernel_launch_s=5e-6,
+            copy_launch_s=10e-6,
+        ),
+        # This machine class: no accelerator, so capacity is simulated by the Ledger
+        # (DESIGN.md section 6). Rates are conservative figures for a 2-core VM; the
+        # mitigation-roofline benchmark measures the real ones.
+        HardwareSpec(
+            name="cpu",
+            peak_flops=50e9,
+            capacity_bytes=2 * _GIB,
+            hbm_bandwidth=10e9,
+            host_link_bandwidth=5e9,
+            intra_node_bandwidth=5e9,
+            inter_node_bandwidth=1e9,
+            devices_per_node=1,
+            kernel_launch_s=10e-6,
+            copy_launch_s=10e-6,
+            simulated=True,
+        ),
+    )
+}
+
+
+def preset(name: str) -> HardwareSpec:
+    """The preset called `name`; the error lists the known names."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown hardware preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None

@@ -1,0 +1,73 @@
+"""Tables and memory plots for people: text tables for the terminal, PNG memory curves in the
+style of the paper's Fig. 5c (time on x, activation memory on y, the capacity line, phases)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from .costmodel import Curve
+
+_GIB = 2**30
+_PHASE_COLOURS = {"warmup": "#dbe9f6", "steady": "#e3f1dc", "cooldown": "#f6e3d6"}
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Columns padded to their widest cell; the first column left-aligned, the rest right."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
+    return "\n".join([line(cells[0]), line(["-" * w for w in widths]), *map(line, cells[1:])])
+
+
+def plot_curves(
+    curves: Sequence[tuple[str, Curve]],
+    path: str | Path,
+    capacity: float,
+    static_bytes: float,
+    title: str,
+) -> Path:
+    """Draw one or more iteration curves of the same schedule; phases are shaded from the first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 5.5))
+    first = curves[0][1]
+    for phase, colour in _PHASE_COLOURS.items():
+        idx = [i for i, s in enumerate(first.steps) if s.phase == phase]
+        if idx:
+            start, end = first.times[idx[0]] * 1e3, first.times[idx[-1] + 1] * 1e3
+            ax.axvspan(start, end, color=colour, zorder=0)
+            ax.text((start + end) / 2, 0.02, phase, transform=ax.get_xaxis_transform(), ha="center", fontsize=9)
+    ax.axhspan(0, static_bytes / _GIB, color="#cccccc", zorder=1, label="non-activation (weights, grads, optimizer)")
+    ax.axhline(capacity / _GIB, color="#c0392b", ls="--", lw=1.5, label=f"capacity {capacity / _GIB:.1f} GiB")
+    for n, ((label, curve), colour) in enumerate(zip(curves, ("#1f4e79", "#d35400", "#7d3c98", "#117a65"))):
+        times = [t * 1e3 for t in curve.times]
+        ax.plot(times, [b / _GIB for b in curve.bytes], color=colour, lw=1.3, label=label, zorder=3)
+        over = curve.peak_bytes > capacity
+        ax.plot(curve.peak_time * 1e3, curve.peak_bytes / _GIB, "o", color=colour, zorder=4)
+        ax.annotate(
+            f"peak {curve.peak_bytes / _GIB:.2f} GiB{' (OOM)' if over else ''}\nend of F{curve.peak_step.micro_batch}",
+            (curve.peak_time * 1e3, curve.peak_bytes / _GIB),
+            textcoords="offset points",
+            xytext=(10, 8 - 34 * (n % 2)),  # alternate above and below so labels do not overlap
+            fontsize=8,
+            color=colour,
+        )
+    top = max(capacity, *(c.peak_bytes for _, c in curves)) / _GIB
+    ax.set_ylim(0, top * 1.12)
+    ax.set_xlim(0, max(c.times[-1] for _, c in curves) * 1e3)
+    ax.set_xlabel("time on this stage (ms of compute, pipeline bubbles not drawn)")
+    ax.set_ylabel("device memory (GiB)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,70 @@
+"""The pipeline stage a recipe describes, in numbers: its cost model, the non-activation bytes, the
+minimum per-micro-batch budget M0, and the micro-batch costs of an iteration (paper §IV-A, §V-A)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .config import Recipe
+from .costmodel import CostModel, Curve, MicroBatchCost, MitigationOptions, OpId, iteration_curve
+
+
+@dataclass(frozen=True)
+class Stage:
+    recipe: Recipe
+    cost: CostModel  # the blocks held by pipeline.rank
+    tokens: int  # tokens per micro-batch, T
+    static_bytes: int  # weights, gradients, optimizer state
+    min_budget: int  # M0: activation bytes of one micro-batch under full recompute
+
+    @classmethod
+    def of(cls, recipe: Recipe, cost: CostModel | None = None) -> Stage:
+        """`cost`: a whole-model cost model (e.g. profiled); default: analytic from the recipe."""
+        par, pipe, budget = recipe.parallel, recipe.pipeline, recipe.budget
+        whole = cost or CostModel.from_config(recipe.model, recipe.hardware, par)
+        stage = whole.stage(pipe.pp, pipe.rank)
+        tokens = recipe.batch.tokens
+        if budget.non_activation_bytes == "auto":
+            static = stage.static_bytes(
+                budget.weight_bytes_per_param,
+                budget.grad_bytes_per_param,
+                budget.optimizer_bytes_per_param,
+                dense_shards=par.dp if budget.shard_optimizer else 1,
+                expert_shards=par.dp * par.tp // par.ep if budget.shard_optimizer else 1,
+            )
+        else:
+            static = budget.non_activation_bytes
+        m0 = budget.min_budget
+        if m0 == "auto":
+            m0 = stage.activation_bytes(tokens, seq_len=recipe.batch.seq_len, plan=stage.full_recompute())
+        return cls(recipe, stage, tokens, static, m0)
+
+    @property
+    def capacity(self) -> int:
+        return self.recipe.hardware.capacity_bytes
+
+    @property
+    def activation_capacity(self) -> int:
+        """What activations may use: capacity less the reserve and the non-activation bytes."""
+        return self.capacity - self.recipe.budget.reserve_bytes - self.static_bytes
+
+    @property
+    def options(self) -> MitigationOptions:
+        s = self.recipe.strategies
+        return MitigationOptions(fp8_block_size=s.fp8.block_size, offload_min_bytes=s.offload.min_bytes)
+
+    def micro_batch(self, imbalance: float = 1.0, plan: Mapping[OpId, str] | None = None) -> MicroBatchCost:
+        """One micro-batch whose MoE layers receive `imbalance` x the balanced routed pairs."""
+        routed = self.tokens * self.cost.pairs_per_token * imbalance
+        return self.cost.micro_batch(self.tokens, routed, self.recipe.batch.seq_len, plan, self.options)
+
+    def curve(self, imbalance: Sequence[float] | None = None) -> Curve:
+        """The iteration curve with nothing mitigated; `imbalance[i]` scales micro-batch i's routing."""
+        m = self.recipe.pipeline.micro_batches
+        imbalance = list(imbalance or [1.0] * m)
+        if len(imbalance) != m:
+            raise ValueError(f"imbalance has {len(imbalance)} entries, expected pipeline.micro_batches = {m}")
+        costs = {x: self.micro_batch(x) for x in set(imbalance)}
+        pipe = self.recipe.pipeline
+        return iteration_curve([costs[x] for x in imbalance], pipe.pp, pipe.rank, self.static_bytes)

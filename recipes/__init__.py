@@ -1,0 +1,1 @@
+"""Built-in recipes, shipped inside the package as `bagualu_plugin.recipes`."""
