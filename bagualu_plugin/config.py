@@ -15,32 +15,26 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .costmodel.dims import ModelDims, Parallel
 from .hardware import HardwareSpec, preset
 from .units import Bytes, fmt_bytes
+from .validation import FIELD_PROBLEMS, reject
 
-NonNegativeInt = Annotated[int, Field(ge=0)]
+_Index = Annotated[int, Field(ge=0)]
 
-# Pydantic names the member of a union that failed, e.g. s.x.literal['auto'] or
-# s.x.list[constrained-int].2; these tags are no field a user wrote.
+# Pydantic names the member of a union that failed, as in budget.min_budget.literal['auto'] or
+# spikes.layers.list[constrained-int].2; these tags are not fields the user wrote.
 _UNION_TAG = re.compile(r"[a-z-]+\[.*\]|int|float|str|bool|none")
-_FIELD_PROBLEMS = "field_problems"
-
-
-def _reject(problems: list[tuple[str, str]]) -> None:
-    """Raise one validation error listing every (relative field path, message) problem.
-
-    A model validator can only attach its error to the model itself; the paths travel in the error
-    context so that RecipeError names the field the user has to change.
-    """
-    if problems:
-        summary = "; ".join(f"{path}: {msg}" for path, msg in problems)
-        raise PydanticCustomError(_FIELD_PROBLEMS, "{summary}", {"summary": summary, "problems": problems})
-
-
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -56,7 +50,8 @@ class Pipeline(_Section):
 
     @model_validator(mode="after")
     def _rank_in_pipeline(self) -> Pipeline:
-        _reject([("rank", f"rank ({self.rank}) must be < pp ({self.pp})")] if self.rank >= self.pp else [])
+        if self.rank >= self.pp:
+            reject([("rank", f"rank ({self.rank}) must be < pp ({self.pp})")])
         return self
 
 
@@ -77,7 +72,7 @@ def _not_keep(name: object) -> object:
     return name
 
 
-Mitigation = Annotated[Literal["recompute", "offload", "fp8"], BeforeValidator(_not_keep)]
+_Mitigation = Annotated[Literal["recompute", "offload", "fp8"], BeforeValidator(_not_keep)]
 
 
 class FP8Options(_Section):
@@ -104,14 +99,14 @@ class OffloadOptions(_Section):
 class Strategies(_Section):
     """The per-operator mitigations the planner may choose from (§V-A, Algorithm 2)."""
 
-    allowed: list[Mitigation] = Field(default_factory=lambda: ["recompute", "offload", "fp8"])
+    allowed: list[_Mitigation] = Field(default_factory=lambda: ["recompute", "offload", "fp8"])
     fp8: FP8Options = FP8Options()
     offload: OffloadOptions = OffloadOptions()
 
     @field_validator("allowed")
     @classmethod
     def _unique(cls, allowed: list[str]) -> list[str]:
-        _reject([(str(i), f"{name!r} is listed twice") for i, name in enumerate(allowed) if name in allowed[:i]])
+        reject([(str(i), f"{a!r} is listed twice") for i, a in enumerate(allowed) if a in allowed[:i]])
         return allowed
 
 
@@ -123,16 +118,16 @@ class Budget(_Section):
     reserve_bytes: Bytes = Field(default=0, description="never given to activations (allocator, buffers)")
     min_budget: Literal["auto"] | Bytes = Field(default="auto", description="M0; auto: from the cost model")
     non_activation_bytes: Literal["auto"] | Bytes = Field(
-        default="auto", description="weights, grads, optimizer state; auto: from the per-parameter sizes below"
+        default="auto", description="weights, grads, optimizer state; auto: from the sizes below"
     )
     weight_bytes_per_param: float = Field(default=2.0, gt=0)
     grad_bytes_per_param: float = Field(default=4.0, ge=0)
     optimizer_bytes_per_param: float = Field(default=12.0, ge=0)
-    shard_optimizer: bool = Field(default=True, description="optimizer state divided over data-parallel ranks")
+    shard_optimizer: bool = Field(default=True, description="optimizer state divided over dp ranks")
 
 
 class Telemetry(_Section):
-    """Where the per-micro-batch events (budget, plan, actual bytes) go."""
+    """Where the per-micro-batch telemetry events go."""
 
     path: str | None = Field(default=None, description="JSON-lines file; None: no telemetry")
 
@@ -147,14 +142,14 @@ class Spikes(_Section):
     normal_max_imbalance: float = Field(default=1.2, ge=1)
     spike_probability: float = Field(default=0.029, ge=0, le=1)
     spike_max_imbalance: float = Field(default=2.6, ge=1)
-    layers: Literal["all"] | list[NonNegativeInt] = Field(default="all", description="MoE layers that may spike")
-    micro_batches: list[NonNegativeInt] | None = Field(default=None, description="None: any micro-batch")
+    layers: Literal["all"] | list[_Index] = Field(default="all", description="the MoE layers that may spike")
+    micro_batches: list[_Index] | None = Field(default=None, description="None: any micro-batch")
 
     @model_validator(mode="after")
     def _spike_above_normal(self) -> Spikes:
         if self.spike_max_imbalance < self.normal_max_imbalance:
             msg = f"spike_max_imbalance ({self.spike_max_imbalance}) must be >= normal_max_imbalance"
-            _reject([("spike_max_imbalance", f"{msg} ({self.normal_max_imbalance})")])
+            reject([("spike_max_imbalance", f"{msg} ({self.normal_max_imbalance})")])
         return self
 
 
@@ -178,56 +173,46 @@ class Recipe(_Section):
         if isinstance(value, str):
             return preset(value)
         if isinstance(value, dict) and "preset" in value:
-            overrides = {k: v for k, v in value.items() if k != "preset"}
-            return {**preset(str(value["preset"])).model_dump(), **overrides}
+            overrides = dict(value)
+            base = preset(str(overrides.pop("preset")))  # str(): a non-string gets the unknown-preset error
+            return {**base.model_dump(), **overrides}
         return value
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
-        m, par, pipe, budget, spikes = self.model, self.parallel, self.pipeline, self.budget, self.spikes
-        cap = self.hardware.capacity_bytes
-        checks = [
-            (m.num_experts % par.ep, "parallel.ep", f"ep ({par.ep}) must divide model.num_experts ({m.num_experts})"),
-            (
-                (par.dp * par.tp) % par.ep,
-                "parallel.ep",
-                f"ep ({par.ep}) must divide dp*tp ({par.dp * par.tp}): the expert-parallel group lives inside dp x tp",
-            ),
-            (
-                m.num_attention_heads % par.tp,
-                "parallel.tp",
-                f"tp ({par.tp}) must divide model.num_attention_heads ({m.num_attention_heads})",
-            ),
-            (
-                m.num_layers % pipe.pp,
-                "pipeline.pp",
-                f"pp ({pipe.pp}) must divide model.num_layers ({m.num_layers}): stages get equal layer counts",
-            ),
-        ]
+        m, par, pipe, spikes = self.model, self.parallel, self.pipeline, self.spikes
+        cap, group = self.hardware.capacity_bytes, par.dp * par.tp
+        problems = []
+        if m.num_experts % par.ep:
+            problems.append(("parallel.ep", f"ep ({par.ep}) must divide model.num_experts ({m.num_experts})"))
+        if group % par.ep:
+            msg = f"ep ({par.ep}) must divide dp*tp ({group}): the expert-parallel group lives inside dp x tp"
+            problems.append(("parallel.ep", msg))
+        if m.num_attention_heads % par.tp:
+            msg = f"tp ({par.tp}) must divide model.num_attention_heads ({m.num_attention_heads})"
+            problems.append(("parallel.tp", msg))
+        if m.num_layers % pipe.pp:
+            msg = f"pp ({pipe.pp}) must divide model.num_layers ({m.num_layers}): stages have equal layers"
+            problems.append(("pipeline.pp", msg))
         for name in ("reserve_bytes", "min_budget", "non_activation_bytes"):
-            value = getattr(budget, name)
-            if value != "auto":
+            value = getattr(self.budget, name)
+            if value != "auto" and value >= cap:
                 msg = f"{name} ({fmt_bytes(value)}) must be < hardware.capacity_bytes ({fmt_bytes(cap)})"
-                checks.append((value >= cap, f"budget.{name}", msg))
+                problems.append((f"budget.{name}", msg))
         if spikes.layers != "all":
-            moe = set(m.moe_layers)
-            checks += [
-                (
-                    layer not in moe,
-                    f"spikes.layers.{i}",
-                    f"layer {layer} is not an MoE layer (MoE layers: {m.first_k_dense}..{m.num_layers - 1})",
-                )
+            moe = m.moe_layers
+            problems += [
+                (f"spikes.layers.{i}", f"layer {layer} is not an MoE layer (MoE layers: {moe[0]}..{moe[-1]})")
                 for i, layer in enumerate(spikes.layers)
+                if layer not in moe
             ]
-        checks += [
-            (
-                mb >= pipe.micro_batches,
-                f"spikes.micro_batches.{i}",
-                f"micro-batch {mb} must be < pipeline.micro_batches ({pipe.micro_batches})",
-            )
+        n = pipe.micro_batches
+        problems += [
+            (f"spikes.micro_batches.{i}", f"micro-batch {mb} must be < pipeline.micro_batches ({n})")
             for i, mb in enumerate(spikes.micro_batches or [])
+            if mb >= n
         ]
-        _reject([(path, msg) for bad, path, msg in checks if bad])
+        reject(problems)
         return self
 
     @property
@@ -258,15 +243,26 @@ def _keys_at(path: list[str]) -> list[str]:
     section: type[BaseModel] = Recipe
     for name in path:
         annotation = section.model_fields[name].annotation
-        section = next(t for t in (annotation, *get_args(annotation)) if isinstance(t, type) and issubclass(t, BaseModel))
+        candidates = (annotation, *get_args(annotation))  # MLADims | None: look inside the union
+        section = next(t for t in candidates if isinstance(t, type) and issubclass(t, BaseModel))
     return list(section.model_fields)
 
 
+def _is_union_tag(part: str | int) -> bool:
+    return isinstance(part, str) and _UNION_TAG.fullmatch(part) is not None
+
+
 def _problems(exc: ValidationError) -> list[tuple[str, str]]:
+    errors = exc.errors(include_url=False)
+    # A union member that failed inside the value (spikes.layers.2) matched the input's shape: it
+    # is the member the user meant, so the other members' "should be 'all'" is noise.
+    matched = {err["loc"][:i] for err in errors for i, p in enumerate(err["loc"][:-1]) if _is_union_tag(p)}
     problems = []
-    for err in exc.errors(include_url=False):
-        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and _UNION_TAG.fullmatch(p))]
-        if err["type"] == _FIELD_PROBLEMS:
+    for err in errors:
+        if err["loc"] and _is_union_tag(err["loc"][-1]) and err["loc"][:-1] in matched:
+            continue
+        loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+        if err["type"] == FIELD_PROBLEMS:
             problems += [(".".join([*loc, path]), msg) for path, msg in err["ctx"]["problems"]]
             continue
         if err["type"] == "value_error":
@@ -301,8 +297,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             for key, value in node.value:
                 name, line = str(key.value), key.start_mark.line + 1
                 if name in first_line:
-                    where = ".".join([*path, name])
-                    raise RecipeError(self.name, [(where, f"duplicate key at line {line} (first at line {first_line[name]})")])
+                    msg = f"duplicate key at line {line} (first at line {first_line[name]})"
+                    raise RecipeError(self.name, [(".".join([*path, name]), msg)])
                 first_line[name] = line
                 self._check_unique(value, [*path, name], seen)
 
@@ -333,10 +329,11 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise RecipeError(source, [("", f"invalid YAML: {where}{getattr(exc, 'problem', None) or exc}")]) from None
+        msg = f"invalid YAML: {where}{getattr(exc, 'problem', None) or exc}"
+        raise RecipeError(source, [("", msg)]) from None
+    expected = "a mapping of sections (model, hardware, ...)"
     if data is None:
-        raise RecipeError(source, [("", "the file is empty; expected a mapping of sections (model, hardware, ...)")])
+        raise RecipeError(source, [("", f"the file is empty; expected {expected}")])
     if not isinstance(data, dict):
-        msg = f"the top level must be a mapping of sections (model, hardware, ...), got a {type(data).__name__}"
-        raise RecipeError(source, [("", msg)])
+        raise RecipeError(source, [("", f"the top level must be {expected}, got a {type(data).__name__}")])
     return Recipe.from_dict(data, source)

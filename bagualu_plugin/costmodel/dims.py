@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..validation import reject
+
 Family = Literal["glm4_moe", "deepseek_v3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"]
 FAMILIES: tuple[str, ...] = Family.__args__
 DType = Literal["bf16", "fp16", "fp32"]
@@ -55,19 +57,31 @@ class ModelDims(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelDims:
-        if self.top_k > self.num_experts:
-            raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+        checks = [
+            (self.top_k > self.num_experts, "top_k", f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})"),
+            (
+                self.num_attention_heads % self.num_key_value_heads,
+                "num_key_value_heads",
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.first_k_dense > self.num_layers:
-            raise ValueError(f"first_k_dense ({self.first_k_dense}) exceeds num_layers ({self.num_layers})")
-        if self.first_k_dense and not self.dense_intermediate_size:
-            raise ValueError("dense_intermediate_size must be > 0 when first_k_dense > 0")
-        if (self.family == "deepseek_v3") != (self.mla is not None):
-            raise ValueError("mla dimensions are required for family deepseek_v3 and only for it")
+                f"num_key_value_heads ({self.num_key_value_heads})",
+            ),
+            (
+                self.first_k_dense > self.num_layers,
+                "first_k_dense",
+                f"first_k_dense ({self.first_k_dense}) exceeds num_layers ({self.num_layers})",
+            ),
+            (
+                self.first_k_dense and not self.dense_intermediate_size,
+                "dense_intermediate_size",
+                "must be > 0 when first_k_dense > 0",
+            ),
+            (
+                (self.family == "deepseek_v3") != (self.mla is not None),
+                "mla",
+                "mla dimensions are required for family deepseek_v3 and only for it",
+            ),
+        ]
+        reject([(path, msg) for bad, path, msg in checks if bad])
         return self
 
     @property
@@ -85,8 +99,7 @@ class Parallel(_Strict):
 
     @model_validator(mode="after")
     def _rank_in_group(self) -> Parallel:
-        if self.ep_rank >= self.ep:
-            raise ValueError(f"ep_rank ({self.ep_rank}) must be < ep ({self.ep})")
+        reject([("ep_rank", f"ep_rank ({self.ep_rank}) must be < ep ({self.ep})")] if self.ep_rank >= self.ep else [])
         return self
 
 

@@ -1,0 +1,60 @@
+"""The `bagualu` command, run as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bagualu_plugin.cli import main
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bagualu_plugin.cli", *args], capture_output=True, text=True)
+
+
+def test_curve_on_the_paper_glm_423b_preset(tmp_path):
+    png = tmp_path / "curve.png"
+    done = _run("curve", "glm-423b-a30b", "--png", str(png), "--spike", "7:2.6")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for op in ("attn_norm", "attn_core", "router", "expert_fc1", "expert_act", "expert_fc2", "shared_expert"):
+        assert f"moe.{op}" in out
+    assert "recompute" in out and "offload" in out and "fp8" in out
+    assert "7 warmup F, 25 steady F/B, 7 cooldown B" in out
+    assert "peak" in out and "headroom" in out and "OUT OF MEMORY" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_curve_json_is_consistent(tmp_path):
+    done = _run("curve", "glm-423b-a30b", "--png", str(tmp_path / "c.png"), "--json", "--spike", "3:2.6")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    balanced, spiked = doc["curves"]
+    assert doc["capacity_bytes"] == 64 * 2**30
+    assert balanced["in_flight_at_peak"] == 8  # rank 0 of 8
+    mb = doc["micro_batch"]["activation_bytes"]
+    assert balanced["peak_bytes"] == pytest.approx(doc["static_bytes"] + 8 * mb)
+    assert spiked["peak_bytes"] > balanced["peak_bytes"] and spiked["imbalance"][3] == 2.6
+    assert len(balanced["times_s"]) == len(balanced["steps"]) + 1 == 2 * 32 + 1
+    assert {o["name"] for o in doc["ops"]} >= {"expert_fc1", "embed"}
+    assert set(doc["ops"][0]["mitigation"]) == {"recompute", "offload", "fp8"}
+
+
+def test_validate_recipe(tmp_path, capsys):
+    assert main(["validate-recipe", "glm-423b-a30b", "qwen3_moe"]) == 0
+    assert "ok: glm-423b-a30b" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hardware: h100\nmodel: {family: glm4_moe}\n")
+    assert main(["validate-recipe", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"recipe {bad}: model.hidden_size" in err and "pipeline" in err
+
+
+def test_bad_arguments_are_named():
+    done = _run("curve", "glm-423b-a30b", "--spike", "seven")
+    assert done.returncode == 2 and "MICRO_BATCH:IMBALANCE" in done.stderr
+    done = _run("curve", "glm-423b-a30b", "--spike", "99:2")
+    assert done.returncode != 0 and "--spike micro-batch 99" in done.stderr
+    done = _run("curve", "no-such-recipe")
+    assert done.returncode == 2 and "built-in recipes" in done.stderr
