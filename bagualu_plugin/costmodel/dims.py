@@ -6,7 +6,7 @@ YAML file and a direct `CostModel.from_config(ModelDims(...))` call.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -87,6 +87,58 @@ class ModelDims(_Strict):
     @property
     def moe_layers(self) -> list[int]:
         return list(range(self.first_k_dense, self.num_layers))
+
+    @classmethod
+    def from_hf_config(cls, config: Any, dtype: DType | None = None, attention: str | None = None) -> ModelDims:
+        """The dimensions of a transformers config of a supported family (attributes read by name,
+        so this module needs no transformers import). `dtype` and `attention` default to what the
+        config says (`dtype`, `_attn_implementation`)."""
+        get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
+        family = get("model_type")
+        if family not in FAMILIES:
+            raise ValueError(f"unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
+        experts = get("n_routed_experts") or get("num_experts") or get("num_local_experts")
+        heads = get("num_attention_heads")
+        dense = get("first_k_dense_replace", 0)
+        if family in ("qwen2_moe", "qwen3_moe"):
+            only = sorted(get("mlp_only_layers") or [])
+            if only != list(range(len(only))) or get("decoder_sparse_step", 1) != 1:
+                raise ValueError(f"{family}: dense layers must lead (mlp_only_layers {only}, decoder_sparse_step 1)")
+            dense = len(only)
+        shared = {
+            "glm4_moe": get("n_shared_experts", 0) * get("moe_intermediate_size", 0),
+            "deepseek_v3": get("n_shared_experts", 0) * get("moe_intermediate_size", 0),
+            "qwen2_moe": get("shared_expert_intermediate_size", 0),
+        }.get(family, 0)
+        mla = None
+        if family == "deepseek_v3":
+            mla = MLADims(
+                q_lora_rank=get("q_lora_rank") or 0,
+                kv_lora_rank=get("kv_lora_rank"),
+                qk_nope_head_dim=get("qk_nope_head_dim"),
+                qk_rope_head_dim=get("qk_rope_head_dim"),
+                v_head_dim=get("v_head_dim"),
+            )
+        torch_dtype = str(get("dtype") or "float32").removeprefix("torch.")
+        return cls(
+            family=family,
+            hidden_size=get("hidden_size"),
+            num_layers=get("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or get("hidden_size") // heads,
+            vocab_size=get("vocab_size"),
+            num_experts=experts,
+            top_k=get("num_experts_per_tok"),
+            moe_intermediate_size=get("moe_intermediate_size") or get("intermediate_size"),
+            shared_expert_intermediate_size=shared,
+            first_k_dense=dense,
+            dense_intermediate_size=get("intermediate_size") if dense else 0,
+            qk_norm=family == "qwen3_moe" or bool(get("use_qk_norm", False)),
+            mla=mla,
+            dtype=dtype or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[torch_dtype],
+            attention=attention or get("_attn_implementation") or "sdpa",
+        )
 
 
 class Parallel(_Strict):

@@ -1,0 +1,131 @@
+"""One code path for every HF MoE family: find the decoder layers, their MoE blocks, routers,
+experts and shared experts, and name their operators (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..costmodel.graph import EMBED_OPS, HEAD_OPS, LAYER_OPS, OpId
+from . import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen2_moe, qwen3_moe
+from .family import Family
+
+FAMILIES: dict[str, Family] = {
+    m.FAMILY.model_type: m.FAMILY for m in (glm4_moe, deepseek_v3, qwen2_moe, qwen3_moe, mixtral, gpt_oss)
+}
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not a supported HF MoE causal LM."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under torch.compile, PEFT and DDP/FSDP wrappers."""
+    while True:
+        if hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        elif type(model).__name__.startswith("Peft") and hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "FullyShardedDataParallel":
+            model = model.module
+        else:
+            return model
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer and, if it is an MoE layer, the parts of its MoE block."""
+
+    index: int
+    module: nn.Module
+    router: nn.Module | None
+    experts: nn.Module | None
+    shared: tuple[nn.Module, ...]
+
+    @property
+    def moe(self) -> bool:
+        return self.experts is not None
+
+
+class Adapter:
+    """A supported model, taken apart into layers and operators."""
+
+    def __init__(self, model: nn.Module):
+        self.model = unwrap(model)
+        config = getattr(self.model, "config", None)
+        model_type = getattr(config, "model_type", None)
+        if model_type not in FAMILIES:
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r} ({type(self.model).__name__}); "
+                f"supported: {', '.join(sorted(FAMILIES))}"
+            )
+        self.family = FAMILIES[model_type]
+        self.config = config
+        decoder = getattr(self.model, "model", None)
+        if decoder is None or not hasattr(decoder, "layers") or not hasattr(self.model, "lm_head"):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} is not a causal LM with .model.layers and .lm_head; "
+                "load it with AutoModelForCausalLM"
+            )
+        self.decoder = decoder
+        self.layers = [self._layer(i, layer) for i, layer in enumerate(decoder.layers)]
+        if not any(layer.moe for layer in self.layers):
+            raise UnsupportedModelError(f"{model_type} model has no MoE layer")
+
+    def _layer(self, index: int, layer: nn.Module) -> Layer:
+        mlp = layer.mlp
+        if not hasattr(mlp, "experts"):
+            return Layer(index, layer, None, None, ())
+        router = getattr(mlp, self.family.router, None)
+        if router is None:
+            raise UnsupportedModelError(
+                f"layer {index}: MoE block {type(mlp).__name__} has no router attribute {self.family.router!r}"
+            )
+        return Layer(index, layer, router, mlp.experts, tuple(getattr(mlp, name) for name in self.family.shared))
+
+    @property
+    def top_k(self) -> int:
+        return self.config.num_experts_per_tok
+
+    @property
+    def num_experts(self) -> int:
+        return next(layer.experts.num_experts for layer in self.layers if layer.moe)
+
+    @property
+    def head_index(self) -> int:
+        """Block index of the final norm, LM head and loss (one past the last decoder layer)."""
+        return len(self.layers)
+
+    def qkv_last(self, layer: Layer) -> nn.Module:
+        """The projection after which attention's core (RoPE and the attention kernel) begins."""
+        attn = layer.module.self_attn
+        for name in self.family.qkv_last:
+            if hasattr(attn, name):
+                return getattr(attn, name)
+        raise UnsupportedModelError(f"layer {layer.index}: attention has none of {self.family.qkv_last}")
+
+    def layer_ops(self, layer: Layer) -> list[str]:
+        if not layer.moe:
+            return [n for n in LAYER_OPS if n.startswith(("attn_", "mlp_")) or n == "dense_mlp"]
+        drop = {"dense_mlp"} | (set() if layer.shared else {"shared_expert"})
+        return [n for n in LAYER_OPS if n not in drop]
+
+    def ops(self) -> list[OpId]:
+        """Every operator of the model, block by block (DESIGN.md section 4 names)."""
+        ops = [OpId(-1, n) for n in EMBED_OPS]
+        for layer in self.layers:
+            ops += [OpId(layer.index, n) for n in self.layer_ops(layer)]
+        return ops + [OpId(self.head_index, n) for n in HEAD_OPS]
+
+
+def list_ops(model: nn.Module) -> list[OpId]:
+    """`bgl.list_ops`: the operators of a supported HF MoE model."""
+    return Adapter(model).ops()
+
+
+def is_inside_backward() -> bool:
+    """True while autograd's engine runs (e.g. a checkpoint recomputing a layer): decisions taken
+    at the gate must not be taken again then (DESIGN.md section 5)."""
+    return torch._C._current_graph_task_id() != -1

@@ -1,0 +1,216 @@
+"""Gate time: the moment after an MoE router has chosen its experts and before the experts run.
+
+`GateMonitor` records there, per MoE layer, how many (token, expert) pairs each expert received
+and how many landed on this rank's experts (S, the quantity the provisioner plans with; DESIGN.md
+section 6b), and calls `on_gate` so a provisioner can escalate a layer's mitigation once the real
+routing is known (deferred planning, paper section V-A).
+
+`RoutingSkew` rewrites part of the routing onto this rank's experts, deterministically, to
+reproduce the routing spikes of expert parallelism (paper section II-B) in tests, benchmarks and
+demos.
+
+Every family's router returns `(router_logits (T, E), top_k_weights (T, k), top_k_index (T, k))`;
+a forward hook on it runs after routing and before the experts in all supported families.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from functools import partial
+from numbers import Real
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .adapter import Adapter, Layer, is_inside_backward
+from .experts import local_expert_range
+
+OnGate = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+def _adapter(model_or_adapter) -> Adapter:
+    return model_or_adapter if isinstance(model_or_adapter, Adapter) else Adapter(model_or_adapter)
+
+
+def _router_output(layer: Layer, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not (isinstance(output, tuple) and len(output) == 3):
+        raise TypeError(
+            f"layer {layer.index}: router {type(layer.router).__name__} returned {type(output).__name__}, expected "
+            "(router_logits, top_k_weights, top_k_index)"
+        )
+    return output
+
+
+def tokens_per_expert(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) int64 count of routed pairs per expert; sentinel ids (< 0 or >= E) are not counted.
+    A scatter-add, not `torch.bincount`, so it never synchronises with the host."""
+    ids = top_k_index.reshape(-1).long()
+    ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # sentinels -> bin E, dropped
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))[:num_experts]
+
+
+class GateMonitor:
+    """Per-MoE-layer routed counts, recorded at gate time as device tensors.
+
+    on_gate(layer_index, tokens_per_expert (E,), local_pairs (0-dim)) is called in forward only:
+    when a checkpoint re-runs a layer during backward the routing is known already, so the hook
+    neither calls on_gate nor overwrites the records (decisions are never taken twice)."""
+
+    def __init__(self, adapter, ep_size: int = 1, ep_rank: int = 0, on_gate: OnGate | None = None):
+        self.adapter = _adapter(adapter)
+        if on_gate is not None and not callable(on_gate):
+            raise ValueError(f"on_gate must be callable or None, got {on_gate!r}")
+        self.layers = [layer for layer in self.adapter.layers if layer.moe]
+        self.local = {
+            layer.index: local_expert_range(layer.experts.num_experts, ep_size, ep_rank) for layer in self.layers
+        }
+        self.ep_size, self.ep_rank, self.on_gate = ep_size, ep_rank, on_gate
+        self._counts: dict[int, torch.Tensor] = {}
+        self._local: dict[int, torch.Tensor] = {}
+        self._handles: list[RemovableHandle] = []
+
+    def install(self) -> GateMonitor:
+        if self._handles:
+            raise RuntimeError("GateMonitor is installed already")
+        for layer in self.layers:
+            self._handles.append(layer.router.register_forward_hook(partial(self._hook, layer)))
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> GateMonitor:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def _hook(self, layer: Layer, module: nn.Module, args, output) -> None:
+        if is_inside_backward():
+            return
+        top_k_index = _router_output(layer, output)[2]
+        counts = tokens_per_expert(top_k_index, layer.experts.num_experts)
+        local = self.local[layer.index]
+        local_pairs = counts[local.start : local.stop].sum()
+        self._counts[layer.index] = counts
+        self._local[layer.index] = local_pairs
+        if self.on_gate is not None:
+            self.on_gate(layer.index, counts, local_pairs)
+
+    def counts(self, layer: int) -> torch.Tensor:
+        """tokens_per_expert (E,) of MoE layer `layer` in the last forward (a device tensor)."""
+        if layer not in self._counts:
+            recorded = sorted(self._counts) or "none yet"
+            raise KeyError(f"no routing recorded for layer {layer}; recorded layers: {recorded}")
+        return self._counts[layer]
+
+    def local_pairs(self) -> dict[int, int]:
+        """{layer: routed pairs on this rank's experts} for the recorded layers (one host sync)."""
+        if not self._local:
+            return {}
+        values = torch.stack([self._local[i].to(torch.long).cpu() for i in self._local]).tolist()
+        return dict(zip(self._local, values))
+
+    def reset(self) -> None:
+        self._counts.clear()
+        self._local.clear()
+
+
+# Knuth's multiplicative hash: (p * A) mod 2**32 is a golden-ratio Weyl sequence, so consecutive
+# pairs spread evenly over [0, 2**32) and a threshold selects close to `fraction` of any run.
+_HASH_A = 2654435761
+_HASH_LAYER = 40503
+_HASH_RANGE = 1 << 32
+
+
+class RoutingSkew:
+    """Rewrite `fraction` of the (token, slot) pairs of each router output onto this rank's experts.
+
+    Which pairs: a pure function of the flat pair position p = token * k + slot and the layer
+    (`mask`), with no RNG state, so a checkpoint's recompute routes exactly as the forward did.
+    Selected pairs already on a local expert are kept; the others move to a local expert chosen
+    from a rotation that starts at (token + layer + slot), taking the first one the token does not
+    already use in another slot. Only when the rank hosts fewer experts than the token needs (E/ep
+    < k) can one token list the same expert twice. top_k_weights are kept, so gradients still
+    reach the router. Registered before other router hooks, so `GateMonitor` sees the new routing.
+    """
+
+    def __init__(self, adapter, fraction: float, ep_size: int, ep_rank: int, layers: Iterable[int] | None = None):
+        self.adapter = _adapter(adapter)
+        if isinstance(fraction, bool) or not isinstance(fraction, Real) or not 0.0 <= float(fraction) <= 1.0:
+            raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+        self.fraction = float(fraction)
+        moe = {layer.index: layer for layer in self.adapter.layers if layer.moe}
+        if layers is None:
+            chosen = list(moe)
+        else:
+            if isinstance(layers, (int, str)):
+                raise ValueError(f"layers must be an iterable of MoE layer indices or None, got {layers!r}")
+            chosen = list(layers)
+            bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or i not in moe]
+            if bad:
+                raise ValueError(f"layers {bad} are not MoE layers; MoE layers: {sorted(moe)}")
+        self.layers = [moe[i] for i in chosen]
+        self.local = {
+            layer.index: local_expert_range(layer.experts.num_experts, ep_size, ep_rank) for layer in self.layers
+        }
+        self.ep_size, self.ep_rank = ep_size, ep_rank
+        self._handles: list[RemovableHandle] = []
+
+    def install(self) -> RoutingSkew:
+        if self._handles:
+            raise RuntimeError("RoutingSkew is installed already")
+        for layer in self.layers:
+            hook = partial(self._hook, layer)
+            self._handles.append(layer.router.register_forward_hook(hook, prepend=True))
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> RoutingSkew:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def _hook(self, layer: Layer, module: nn.Module, args, output):
+        router_logits, top_k_weights, top_k_index = _router_output(layer, output)
+        return router_logits, top_k_weights, self.rewrite(top_k_index, layer.index)
+
+    def mask(self, num_tokens: int, top_k: int, layer: int, device=None) -> torch.Tensor:
+        """(T, k) bool: the pairs of `layer` this skew selects (a function of position only)."""
+        p = torch.arange(num_tokens * top_k, dtype=torch.int64, device=device)
+        h = (p * _HASH_A + layer * _HASH_LAYER) % _HASH_RANGE
+        return (h < math.floor(self.fraction * _HASH_RANGE)).view(num_tokens, top_k)
+
+    def rewrite(self, top_k_index: torch.Tensor, layer: int) -> torch.Tensor:
+        """A new (T, k) index with the selected remote pairs moved onto local experts."""
+        local = self.local[layer]
+        lo, n = local.start, len(local)
+        num_experts = n * self.ep_size
+        num_tokens, top_k = top_k_index.shape
+        device = top_k_index.device
+        remote = (top_k_index >= 0) & (top_k_index < num_experts) & ((top_k_index < lo) | (top_k_index >= lo + n))
+        move = self.mask(num_tokens, top_k, layer, device) & remote
+        new = top_k_index.clone()
+        token = torch.arange(num_tokens, device=device, dtype=top_k_index.dtype)
+        for slot in range(top_k):
+            others = torch.cat([new[:, :slot], new[:, slot + 1 :]], dim=1)
+            start = (token + layer + slot) % n
+            choice = lo + start  # fallback when every local expert is taken (n < k)
+            found = torch.zeros(num_tokens, dtype=torch.bool, device=device)
+            for r in range(min(n, top_k)):  # the token holds k-1 other experts: k candidates suffice
+                candidate = lo + (start + r) % n
+                free = ~(others == candidate.unsqueeze(1)).any(dim=1) & ~found
+                choice = torch.where(free, candidate, choice)
+                found |= free
+            new[:, slot] = torch.where(move[:, slot], choice, new[:, slot])
+        return new

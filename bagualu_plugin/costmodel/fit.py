@@ -1,0 +1,150 @@
+"""Fitting `LinearForm`s to measurements (paper §IV-A: every cost is linear in the load).
+
+Numbers in, numbers out: the profiler measures bytes and seconds at a few loads, this module finds
+the coefficients. Each operator gets the basis its work scales with: expert operators the routed
+pairs S, attention the tokens T and score pairs Q, every other operator T; a constant is always
+allowed (index offsets, scalars, launch overhead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .graph import INPUT, BlockGraph, OpSpec, TensorSpec
+from .linear import LinearForm, Load
+
+COEFFICIENTS = ("const", "per_token", "per_routed", "per_score")
+_COLUMN = {
+    "const": lambda load: 1.0,
+    "per_token": lambda load: load.tokens,
+    "per_routed": lambda load: load.routed,
+    "per_score": lambda load: load.score_pairs,
+}
+
+
+def fit_linear(loads: Sequence[Load], values: Sequence[float], basis: Sequence[str]) -> LinearForm:
+    """Least-squares coefficients of `basis` (a subset of COEFFICIENTS) through (load, value)."""
+    unknown = set(basis) - set(COEFFICIENTS)
+    if unknown:
+        raise ValueError(f"unknown coefficients {sorted(unknown)}; expected some of {COEFFICIENTS}")
+    if len(loads) != len(values):
+        raise ValueError(f"{len(loads)} loads but {len(values)} values")
+    a = np.array([[_COLUMN[c](load) for c in basis] for load in loads], dtype=np.float64)
+    if np.linalg.matrix_rank(a) < len(basis):
+        raise ValueError(
+            f"the loads do not determine {list(basis)}: vary tokens, routed pairs and sequence length "
+            f"independently ({len(loads)} loads, rank {np.linalg.matrix_rank(a)})"
+        )
+    coef, *_ = np.linalg.lstsq(a, np.asarray(values, dtype=np.float64), rcond=None)
+    return LinearForm(**{c: float(x) for c, x in zip(basis, coef)})
+
+
+def max_residual(form: LinearForm, loads: Sequence[Load], values: Sequence[float]) -> float:
+    return max((abs(form.at(load) - v) for load, v in zip(loads, values)), default=0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# From profiled samples to operator graphs
+
+
+@dataclass(frozen=True)
+class TensorSample:
+    """One saved storage seen in one profiled forward: who made it, who saved it, its size."""
+
+    producer: str  # op name inside the block, or INPUT
+    savers: tuple[str, ...]
+    itemsize: int
+    floating: bool
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BlockSample:
+    """One block in one profiled forward/backward: its load, ops in program order, saved storages
+    in the order they were first saved, and the seconds each op took."""
+
+    kind: str
+    load: Load
+    ops: tuple[str, ...]
+    tensors: tuple[TensorSample, ...]
+    forward_s: dict[str, float]
+    backward_s: dict[str, float]
+
+
+EXPERT_OPS = ("expert_fc1", "expert_act", "expert_fc2")
+
+
+def memory_basis(op: str, routed_independent: bool) -> list[str]:
+    """Expert ops scale with routed pairs (and with tokens only where pairs vary on their own);
+    everything else with tokens and, for attention, score pairs."""
+    if op in EXPERT_OPS:
+        return ["const", "per_token", "per_routed"] if routed_independent else ["const", "per_routed"]
+    return ["const", "per_token", "per_score"]
+
+
+def time_basis(op: str) -> list[str]:
+    if op in EXPERT_OPS:
+        return ["const", "per_routed"]
+    return ["const", "per_token", "per_score"] if op == "attn_core" else ["const", "per_token"]
+
+
+def _snap(form: LinearForm) -> LinearForm:
+    """Element counts have integer coefficients; remove the float noise of least squares."""
+    return LinearForm(**{c: float(round(v)) if abs(v - round(v)) < 1e-6 else v for c, v in asdict(form).items()})
+
+
+def _fit_time(op: str, loads: list[Load], seconds: list[float]) -> LinearForm:
+    """Least squares on the op's basis, dropping coefficients that come out negative (noise)."""
+    basis = time_basis(op)
+    while True:
+        form = fit_linear(loads, seconds, basis)
+        negative = [c for c in basis if getattr(form, c) < 0]
+        if not negative:
+            return form
+        basis = [c for c in basis if c not in negative] or ["const"]
+
+
+def fit_block(
+    samples: Sequence[BlockSample], routed_independent: bool, dense_params: int = 0, expert_params: int = 0
+) -> BlockGraph:
+    """A `BlockGraph` whose tensor sizes reproduce every sample exactly (or an error saying which
+    tensor does not) and whose op times are least-squares fits."""
+    first = samples[0]
+    for s in samples[1:]:
+        shape = [(t.producer, t.savers, t.itemsize, t.floating) for t in s.tensors]
+        if s.kind != first.kind or s.ops != first.ops or shape != [(t.producer, t.savers, t.itemsize, t.floating) for t in first.tensors]:
+            raise ValueError(
+                f"{first.kind} block: the saved tensors differ between profiled runs (ops {first.ops} vs {s.ops}, "
+                f"{len(first.tensors)} vs {len(s.tensors)} tensors); the model's graph depends on the input"
+            )
+    loads = [s.load for s in samples]
+    tensors = []
+    for i, t in enumerate(first.tensors):
+        op = t.producer if t.producer in first.ops else (t.savers or first.ops)[0]
+        elements = [s.tensors[i].nbytes / t.itemsize for s in samples]
+        form = _snap(fit_linear(loads, elements, memory_basis(op, routed_independent)))
+        if max_residual(form, loads, elements) > 0.5:
+            raise ValueError(f"{first.kind} block: saved tensor {i} of {op} is not linear in the load: {elements}")
+        tensors.append(TensorSpec(f"{op}.{i}", t.producer, t.savers, form, t.itemsize, t.floating))
+    def inputs(op: str) -> tuple[str, ...]:
+        """What an op reads, as far as memory is concerned: tensors it saves that other ops made,
+        and for the first op the block's input (which a recompute region starting there holds)."""
+        return tuple(
+            t.name
+            for t in tensors
+            if (op in t.savers and t.producer != op) or (t.producer == INPUT and op == first.ops[0])
+        )
+
+    ops = tuple(
+        OpSpec(
+            op,
+            inputs(op),
+            _fit_time(op, loads, [s.forward_s.get(op, 0.0) for s in samples]),
+            _fit_time(op, loads, [s.backward_s.get(op, 0.0) for s in samples]),
+        )
+        for op in first.ops
+    )
+    return BlockGraph(first.kind, ops, tuple(tensors), dense_params, expert_params)

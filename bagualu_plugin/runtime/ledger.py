@@ -1,0 +1,290 @@
+"""The activation Ledger: live bytes of the tensors the autograd graph keeps for backward.
+
+This is the measurement the rest of the system trusts (DESIGN.md section 6): the cost model of
+paper §IV predicts it, the planner budgets against it, and the Provisioner reads it at the end of
+each forward micro-batch. So it counts storages, not tensors: views and tensors saved twice cost
+their storage once, parameters and buffers (and views of them) cost nothing here because they are
+static memory, and a storage stops counting the moment the last saved tensor object of it dies.
+
+On CPU "device memory" is what this ledger counts, plus the caller's ``static_bytes``; a simulated
+capacity turns "over capacity" into the same error a GPU raises. On CUDA the accounting is the
+same, and the caching allocator can be read alongside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import nn
+
+Residency = Literal["device", "host"]
+_RESIDENCIES: tuple[Residency, ...] = ("device", "host")
+StorageKey = tuple[torch.device, int]
+
+
+class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
+    """Raised when keeping one more saved storage would exceed the simulated device capacity.
+
+    A subclass of the error a GPU raises, so a policy sized too small crashes on CPU exactly where
+    it would crash on a GPU (DESIGN.md section 6).
+    """
+
+    def __init__(self, *, capacity_bytes: int, static_bytes: int, live_bytes: int, requested_bytes: int,
+                 op: object = None, micro_batch: int | None = None):
+        self.capacity_bytes = capacity_bytes
+        self.static_bytes = static_bytes
+        self.live_bytes = live_bytes
+        self.requested_bytes = requested_bytes
+        self.op = op
+        self.micro_batch = micro_batch
+        where = "".join([f" by op {op!r}" if op is not None else "",
+                         f" in micro-batch {micro_batch}" if micro_batch is not None else ""])
+        needed = static_bytes + live_bytes + requested_bytes
+        super().__init__(
+            f"simulated out of memory: saving {requested_bytes} bytes for backward{where} needs "
+            f"{needed} bytes = static {static_bytes} + live activations {live_bytes} + request "
+            f"{requested_bytes}, over the simulated capacity of {capacity_bytes} bytes "
+            f"({capacity_bytes - static_bytes - live_bytes} bytes free)"
+        )
+
+
+@dataclass(frozen=True)
+class Record:
+    """One live saved storage and how many bytes it holds where.
+
+    ``op`` first saved it and is charged for it; ``savers`` are all ops that saved it, in order
+    (a storage saved by two ops is freed only when both are mitigated); ``source`` is what the
+    ledger's ``source`` callback said made it; ``dtype`` is that of its first saved tensor.
+    """
+
+    key: StorageKey
+    nbytes: int
+    residency: Residency
+    op: object
+    micro_batch: int | None
+    dtype: torch.dtype
+    source: object
+    savers: tuple[object, ...]
+
+
+@dataclass
+class _Live:
+    record: Record
+    holders: int = 0  # recorded tensor objects of this storage not yet finalized
+
+
+def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int] | None:
+    """(key, nbytes) of the storage behind ``tensor``; None when it holds no real memory.
+
+    Sparse tensors and wrapper subclasses have no storage, meta and fake tensors a storage without
+    memory, empty tensors one of 0 bytes: none of them can occupy activation memory here.
+    """
+    try:
+        storage = tensor.untyped_storage()
+        if storage.device.type == "meta" or storage.nbytes() == 0:
+            return None
+        return (storage.device, storage.data_ptr()), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class Ledger:
+    """Counts the unique live storages saved for backward, per op and per micro-batch.
+
+    ``micro_batch`` is set by the caller (the engine or Provisioner); every new record is
+    attributed to it and to whatever ``current_op()`` returns (an op id, hashable).
+    ``source(tensor)`` names the op that made a newly saved storage (the profiler's provenance).
+
+    Finalizers run whenever the garbage collector or another thread drops a saved tensor, possibly
+    in the middle of a ``record``. They therefore only append to a queue; every public method
+    applies the queued releases under the lock before it reads or writes, so counts are exact at
+    each call and never negative.
+    """
+
+    def __init__(self, *, capacity_bytes: int | None = None, static_bytes: int = 0,
+                 exclude: Iterable[torch.Tensor] = (), current_op: Callable[[], object] = lambda: None,
+                 source: Callable[[torch.Tensor], object] = lambda tensor: None,
+                 device: torch.device | str = "cpu"):
+        self.capacity_bytes = capacity_bytes
+        self.static_bytes = static_bytes
+        self.current_op = current_op
+        self.source = source
+        self.device = torch.device(device)
+        self.micro_batch: int | None = None
+        self._exclude = tuple(exclude)
+        self._excluded = self._exclusion_keys()
+        self._live: dict[StorageKey, _Live] = {}
+        self._bytes = dict.fromkeys(_RESIDENCIES, 0)
+        self._peak = 0
+        self._released: deque[_Live] = deque()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_model(cls, model: nn.Module, **kw) -> Ledger:
+        """A ledger that never counts ``model``'s parameters and buffers (static memory)."""
+        exclude = [*model.parameters(), *model.buffers(), *kw.pop("exclude", ())]
+        return cls(exclude=exclude, **kw)
+
+    # ------------------------------------------------------------------ recording
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[Ledger]:
+        """Record every tensor saved for backward inside the block.
+
+        The pack hook keeps a detached alias (same storage, same values): keeping the tensor itself
+        would tie a saved output to its own grad_fn in a cycle the garbage collector cannot break
+        (torch's saved_tensors_hooks docs), and the alias dies exactly when the graph drops it,
+        whoever else still holds the original. torch skips its in-place modification check for
+        hooked saved tensors, so unpack repeats it: tracking must never change gradients.
+        Innermost hooks win: inside offload/fp8/checkpoint hooks those record for themselves.
+        """
+        self._excluded = self._exclusion_keys()  # parameters may have moved since __init__
+
+        def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+            alias = tensor.detach()
+            off_device = alias.device.type == "cpu" and self.device.type != "cpu"
+            self.record(alias, "host" if off_device else "device")
+            return alias, alias._version
+
+        def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+            alias, version = packed
+            if alias._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by an "
+                    f"inplace operation: a {alias.dtype} tensor of shape {tuple(alias.shape)} was saved "
+                    f"at version {version} and is now at version {alias._version}"
+                )
+            return alias
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield self
+
+    def record(self, tensor: torch.Tensor, residency: Residency = "device") -> None:
+        """Charge the storage of ``tensor`` until every recorded tensor object of it is finalized.
+
+        The first record of a storage charges its full nbytes (a view keeps all of it alive) to the
+        current op and micro-batch; later records of the same live storage add nothing. Offload and
+        fp8 hooks call this for the form they keep (host copy, fp8 payload). Over the simulated
+        capacity it raises before counting anything.
+        """
+        if residency not in _RESIDENCIES:
+            raise ValueError(f"residency must be one of {_RESIDENCIES}, got {residency!r}")
+        found = _storage(tensor)
+        if found is None:
+            return
+        key, nbytes = found
+        # callbacks run before the lock is taken: they may read the ledger
+        op, micro_batch, source = self.current_op(), self.micro_batch, self.source(tensor)
+        with self._locked():
+            if key in self._excluded:
+                return
+            entry = self._live.get(key)
+            if entry is None:
+                if residency == "device":
+                    self._check_capacity(nbytes, op, micro_batch)
+                entry = _Live(Record(key, nbytes, residency, op, micro_batch, tensor.dtype, source, (op,)))
+                self._live[key] = entry
+                self._bytes[residency] += nbytes
+                self._peak = max(self._peak, self._bytes["device"])
+            elif op not in entry.record.savers:
+                entry.record = replace(entry.record, savers=(*entry.record.savers, op))
+            entry.holders += 1
+            weakref.finalize(tensor, self._released.append, entry).atexit = False
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def live_device_bytes(self) -> int:
+        with self._locked():
+            return self._bytes["device"]
+
+    @property
+    def live_host_bytes(self) -> int:
+        with self._locked():
+            return self._bytes["host"]
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """Max over time of ``live_device_bytes`` (activations only, not ``static_bytes``)."""
+        with self._locked():
+            return self._peak
+
+    def reset_peak(self) -> None:
+        with self._locked():
+            self._peak = self._bytes["device"]
+
+    def by_op(self, residency: Residency = "device") -> dict[object, int]:
+        return self._group(lambda r: r.op, residency)
+
+    def by_micro_batch(self, residency: Residency = "device") -> dict[int | None, int]:
+        return self._group(lambda r: r.micro_batch, residency)
+
+    def records(self) -> list[Record]:
+        """Live records, in the order their storages were first recorded."""
+        with self._locked():
+            return [entry.record for entry in self._live.values()]
+
+    def allocated_bytes(self) -> int:
+        """Bytes held by the CUDA caching allocator on this device (everything, not activations)."""
+        return torch.cuda.memory_allocated(self._cuda_device("allocated_bytes"))
+
+    def max_allocated_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self._cuda_device("max_allocated_bytes"))
+
+    # ------------------------------------------------------------------ internals
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._lock:
+            self._apply_releases()
+            yield
+
+    def _apply_releases(self) -> None:
+        while self._released:
+            entry = self._released.popleft()
+            entry.holders -= 1
+            assert entry.holders >= 0, entry
+            if entry.holders == 0:
+                record = entry.record
+                # Evict, so that a new storage at the same address is a new record.
+                evicted = self._live.pop(record.key)
+                assert evicted is entry, record
+                self._bytes[record.residency] -= record.nbytes
+                assert self._bytes[record.residency] >= 0, self._bytes
+
+    def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
+        live = self._bytes["device"]
+        if self.capacity_bytes is not None and self.static_bytes + live + nbytes > self.capacity_bytes:
+            raise SimulatedOutOfMemoryError(
+                capacity_bytes=self.capacity_bytes, static_bytes=self.static_bytes, live_bytes=live,
+                requested_bytes=nbytes, op=op, micro_batch=micro_batch,
+            )
+
+    def _group(self, by: Callable[[Record], object], residency: Residency) -> dict:
+        if residency not in _RESIDENCIES:
+            raise ValueError(f"residency must be one of {_RESIDENCIES}, got {residency!r}")
+        out: dict = {}
+        for record in self.records():
+            if record.residency == residency:
+                group = by(record)
+                out[group] = out.get(group, 0) + record.nbytes
+        return out
+
+    def _exclusion_keys(self) -> frozenset[StorageKey]:
+        return frozenset(found[0] for t in self._exclude if (found := _storage(t)) is not None)
+
+    def _cuda_device(self, what: str) -> torch.device:
+        if self.device.type != "cuda":
+            raise RuntimeError(
+                f"Ledger.{what}() reads the CUDA caching allocator, which is only read on CUDA; this "
+                f"ledger is on {self.device}: use live_device_bytes/peak_device_bytes, the simulated "
+                "device memory of DESIGN.md section 6"
+            )
+        return self.device

@@ -1,0 +1,300 @@
+"""`bgl.profile`: fit the cost model of paper §IV to a real model by running it.
+
+A few forward/backward passes at different token counts, sequence lengths and (under expert
+parallelism) local routed pairs. In each, the Ledger records every saved storage with the op that
+saved it, the op that made it and its size; wall clocks time each op forward (op-scope changes)
+and backward (autograd node hooks). `costmodel.fit` turns the samples into operator graphs whose
+bytes are exact and whose times are least-squares fits, for loads never profiled.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+from contextlib import ExitStack
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+from tqdm.auto import tqdm
+
+from ..adapters import Adapter, OpTracker
+from ..adapters.experts import set_expert_parallel
+from ..adapters.gate import GateMonitor, RoutingSkew
+from ..costmodel.fit import BlockSample, TensorSample, fit_block
+from ..costmodel.graph import INPUT, OpId
+from ..costmodel.linear import Load
+from ..costmodel.model import CostModel
+from ..hardware import HardwareSpec, preset
+from .ledger import Ledger
+
+
+def _ptr(t: object) -> int | None:
+    if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
+        return t.untyped_storage().data_ptr()
+    return None
+
+
+class _Provenance(TorchFunctionMode):
+    """Which op made each storage (a torch function's new outputs), and, when timing backward,
+    which op each autograd node belongs to."""
+
+    def __init__(self, tracker: OpTracker, backward_s: dict[OpId, float] | None = None):
+        super().__init__()
+        self.tracker = tracker
+        self.made: dict[int, tuple[OpId | None, object]] = {}
+        self.backward_s = backward_s
+        self._timed: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        op = self.tracker.current
+        inputs = {_ptr(t) for t in tree_leaves((args, kwargs))}
+        for t in tree_leaves(out):
+            ptr = _ptr(t)
+            if ptr is None or ptr in inputs:  # views and in-place results are not new storages
+                continue
+            token = object()
+            self.made[ptr] = (op, token)
+            weakref.finalize(t, self._forget, ptr, token)
+            if self.backward_s is not None and t.grad_fn is not None and id(t.grad_fn) not in self._timed:
+                self._time(t.grad_fn, op)
+        return out
+
+    def _forget(self, ptr: int, token: object) -> None:
+        if self.made.get(ptr, (None, None))[1] is token:
+            del self.made[ptr]
+
+    def _time(self, node, op: OpId) -> None:
+        self._timed.add(id(node))
+        start = [0.0]
+        acc = self.backward_s
+
+        def pre(_grad_outputs):
+            start[0] = time.perf_counter()
+
+        def post(_grad_inputs, _grad_outputs):
+            acc[op] = acc.get(op, 0.0) + time.perf_counter() - start[0]
+
+        node.register_prehook(pre)
+        node.register_hook(post)
+
+    def source(self, tensor: torch.Tensor) -> OpId | None:
+        return self.made.get(_ptr(tensor), (None, None))[0]
+
+
+class _ForwardClock:
+    """Seconds spent in each op during forward: an op runs from its scope's start to the next."""
+
+    def __init__(self, tracker: OpTracker):
+        self.seconds: dict[OpId, float] = {}
+        self.order: list[OpId] = []
+        self._last: tuple[OpId, float] | None = None
+        tracker.listeners.append(self._enter)
+
+    def _enter(self, op: OpId) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            prev, since = self._last
+            self.seconds[prev] = self.seconds.get(prev, 0.0) + now - since
+        if op not in self.seconds:
+            self.order.append(op)
+            self.seconds.setdefault(op, 0.0)
+        self._last = (op, now)
+
+    def stop(self) -> None:
+        self._enter(OpId(10**9, "<end>"))
+        self.seconds.pop(OpId(10**9, "<end>"))
+        self.order.pop()
+
+
+def _check_token_counts(token_counts: Sequence[int], max_positions: int | None) -> list[int]:
+    counts = list(token_counts)
+    if not counts or any(isinstance(t, bool) or not isinstance(t, int) or t <= 0 for t in counts):
+        raise ValueError(f"token_counts must be a non-empty list of positive integers, got {token_counts!r}")
+    if len(set(counts)) < 2:
+        raise ValueError(f"token_counts needs at least 2 different counts to fit a line, got {token_counts!r}")
+    if max_positions is not None and max(counts) > max_positions:
+        raise ValueError(f"token_counts: {max(counts)} exceeds the model's max_position_embeddings ({max_positions})")
+    return sorted(set(counts))
+
+
+def profile(
+    model: torch.nn.Module,
+    token_counts: Sequence[int],
+    *,
+    ep_size: int = 1,
+    ep_rank: int = 0,
+    skews: Sequence[float] = (0.0, 0.5),
+    repeats: int = 3,
+    hardware: HardwareSpec | str = "cpu",
+    seed: int = 0,
+    progress: bool = False,
+) -> CostModel:
+    """Measure `model` and return the `CostModel` that predicts it (DESIGN.md section 4).
+
+    Each token count T runs as one sequence of T tokens and, when T is even, as two of T/2, so the
+    attention's per-sequence term separates from the per-token one. Under (emulated) expert
+    parallelism each shape also runs with `skews` (fractions of routed pairs moved to local
+    experts) so that local routed pairs vary on their own. Memory is exact per run; times are
+    medians over `repeats` runs.
+    """
+    adapter = Adapter(model)
+    model = adapter.model
+    counts = _check_token_counts(token_counts, getattr(adapter.config, "max_position_embeddings", None))
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if ep_size > 1 and len(set(skews)) < 2:
+        raise ValueError(f"skews needs at least 2 different fractions under expert parallelism, got {skews!r}")
+    hw = preset(hardware) if isinstance(hardware, str) else hardware
+    shapes = [(1, t) for t in counts] + [(2, t // 2) for t in counts if t % 2 == 0]
+    runs = [(b, l, s) for b, l in shapes for s in (skews if ep_size > 1 else (0.0,))]
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    vocab = adapter.config.vocab_size
+
+    samples: list[dict[int, BlockSample]] = []
+    previous = adapter.config._experts_implementation
+    with ExitStack() as stack:
+        model.set_experts_implementation("bagualu")
+        stack.callback(model.set_experts_implementation, previous)
+        set_expert_parallel(adapter, ep_size, ep_rank)
+        stack.callback(set_expert_parallel, adapter, 1, 0)
+        tracker = OpTracker(adapter).install()
+        stack.callback(tracker.remove)
+        monitor = GateMonitor(adapter, ep_size=ep_size, ep_rank=ep_rank).install()
+        stack.callback(monitor.remove)
+        for batch, seq_len, skew in tqdm(runs, desc="profiling", disable=not progress):
+            ids = torch.randint(0, vocab, (batch, seq_len), generator=generator).to(device)
+            with ExitStack() as run:
+                if skew:
+                    run.enter_context(_installed(RoutingSkew(adapter, skew, ep_size=ep_size, ep_rank=ep_rank)))
+                samples.append(_measure(model, adapter, tracker, monitor, ids, repeats))
+    return _fit(samples, adapter, hw, ep_size)
+
+
+class _installed:
+    def __init__(self, hook):
+        self.hook = hook
+
+    def __enter__(self):
+        return self.hook.install()
+
+    def __exit__(self, *exc):
+        self.hook.remove()
+
+
+def _forward(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, ids: torch.Tensor, repeats: int):
+    batch, seq_len = ids.shape
+    # memory: one pass, recording every saved storage with its savers and its maker
+    provenance = _Provenance(tracker)
+    ledger = Ledger.for_model(model, current_op=lambda: tracker.current, source=provenance.source)
+    held: dict[int, tuple[int, torch.Tensor]] = {}  # block input storages, by block
+
+    def block_input(index):
+        def hook(_module, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            held.setdefault(index, (_ptr(x), x))
+
+        return hook
+
+    modules = [(layer.index, layer.module) for layer in adapter.layers] + [(adapter.head_index, adapter.decoder.norm)]
+    hooks = [m.register_forward_pre_hook(block_input(i), with_kwargs=True) for i, m in modules]
+    try:
+        with ledger.track(), provenance:
+            loss = _forward(model, ids)
+        records = ledger.records()
+        routed = monitor.local_pairs()
+        loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    del loss
+
+    # time: forward by op scopes, backward by autograd nodes; medians over repeats
+    forward: list[dict[OpId, float]] = []
+    backward: list[dict[OpId, float]] = []
+    order: list[OpId] = []
+    for _ in range(repeats):
+        clock = _ForwardClock(tracker)
+        try:
+            loss = _forward(model, ids)
+            clock.stop()
+        finally:
+            tracker.listeners.remove(clock._enter)
+        loss.backward()
+        del loss
+        forward.append(clock.seconds)
+        order = clock.order
+        seconds: dict[OpId, float] = {}
+        with _Provenance(tracker, seconds):
+            loss = _forward(model, ids)
+        loss.backward()
+        del loss
+        backward.append(seconds)
+    model.zero_grad(set_to_none=True)
+
+    def median(runs: list[dict[OpId, float]], op: OpId) -> float:
+        values = sorted(r.get(op, 0.0) for r in runs)
+        return values[len(values) // 2]
+
+    tensors: dict[int, list[TensorSample]] = {}
+    for r in records:
+        op = r.op
+        producer = r.source.name if r.source is not None and r.source.layer == op.layer else (INPUT if r.source else op.name)
+        savers = tuple(dict.fromkeys(s.name for s in r.savers if s.layer == op.layer))
+        tensors.setdefault(op.layer, []).append(
+            TensorSample(producer, savers, r.dtype.itemsize, r.dtype.is_floating_point, r.nbytes)
+        )
+    saved = {r.key[1] for r in records}
+    for index, (ptr, tensor) in held.items():
+        if ptr not in saved:  # an input nothing saves: held only by a recompute region
+            t = TensorSample(INPUT, (), tensor.dtype.itemsize, tensor.dtype.is_floating_point, tensor.untyped_storage().nbytes())
+            tensors.setdefault(index, []).append(t)
+
+    blocks: dict[int, BlockSample] = {}
+    for index in dict.fromkeys(op.layer for op in order):
+        ops = tuple(op.name for op in order if op.layer == index)
+        load = Load(batch * seq_len, routed.get(index, 0), batch * seq_len * seq_len)
+        blocks[index] = BlockSample(
+            _kind(adapter, index),
+            load,
+            ops,
+            tuple(tensors.get(index, ())),
+            {name: median(forward, OpId(index, name)) for name in ops},
+            {name: median(backward, OpId(index, name)) for name in ops},
+        )
+    return blocks
+
+
+def _kind(adapter: Adapter, index: int) -> str:
+    if index == -1:
+        return "embed"
+    if index == adapter.head_index:
+        return "head"
+    return "moe" if adapter.layers[index].moe else "dense"
+
+
+def _params(adapter: Adapter) -> dict[int, tuple[int, int]]:
+    """(dense, expert) parameters per block."""
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    out = {-1: (count(adapter.decoder.embed_tokens), 0)}
+    for layer in adapter.layers:
+        expert = count(layer.experts) + count(layer.router) if layer.moe else 0
+        out[layer.index] = (count(layer.module) - expert, expert)
+    out[adapter.head_index] = (count(adapter.decoder.norm) + count(adapter.model.lm_head), 0)
+    return out
+
+
+def _fit(samples: list[dict[int, BlockSample]], adapter: Adapter, hw: HardwareSpec, ep_size: int) -> CostModel:
+    """One graph per block. Under emulated expert parallelism this process stands for one rank
+    and routes only its own tokens, so balanced routing puts T * top_k / ep pairs on its experts."""
+    params = _params(adapter)
+    blocks = {index: fit_block([s[index] for s in samples], ep_size > 1, *params[index]) for index in samples[0]}
+    return CostModel(blocks, hw, adapter.top_k / ep_size, name=adapter.family.model_type, source="profiled")
