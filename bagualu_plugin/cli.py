@@ -43,7 +43,23 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MB:IMBALANCE",
         help="also draw the curve with micro-batch MB routing IMBALANCE x the balanced pairs to this device (repeatable)",
     )
+    pr = sub.add_parser("profile", help="fit the cost model to a saved HF MoE model by running it (paper §IV)")
+    pr.add_argument("--model", required=True, metavar="DIR", help="a save_pretrained directory (loaded offline)")
+    pr.add_argument("--tokens", required=True, type=_counts, metavar="T,T,...", help="token counts to run, e.g. 128,256,512")
+    pr.add_argument("--out", required=True, metavar="FILE", help="where to write the cost model (JSON)")
+    pr.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    pr.add_argument("--attention", choices=("sdpa", "eager"), default=None, help="default: the model's own")
+    pr.add_argument("--ep", type=int, default=1, metavar="SIZE", help="emulated expert-parallel size (default 1)")
+    pr.add_argument("--ep-rank", type=int, default=0, metavar="RANK")
+    pr.add_argument("--repeats", type=int, default=3, help="timing repeats per run (median)")
     return p
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tokens expects comma-separated integers, e.g. 128,256,512; got {text!r}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -51,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "validate-recipe":
             return _validate(args.recipes)
+        if args.command == "profile":
+            return _profile(args)
         return _curve(args)
     except RecipeError as exc:
         print(exc, file=sys.stderr)
@@ -68,6 +86,34 @@ def _validate(paths: Sequence[str]) -> int:
             continue
         print(f"ok: {path} ({r.model.family}, {r.gpus} devices of {r.hardware.name}, pp {r.pipeline.pp} rank {r.pipeline.rank})")
     return 2 if failed else 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .adapters import UnsupportedModelError
+    from .runtime.profiler import profile
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, local_files_only=True, dtype=dtype, attn_implementation=args.attention
+        )
+    except OSError as exc:
+        raise SystemExit(f"bagualu profile: --model {args.model}: cannot load a saved model offline ({exc})") from None
+    try:
+        cm = profile(model.train(), args.tokens, ep_size=args.ep, ep_rank=args.ep_rank, repeats=args.repeats, progress=True)
+    except (UnsupportedModelError, ValueError) as exc:
+        raise SystemExit(f"bagualu profile: {exc}") from None
+    cm.save(args.out)
+    rows = [
+        [str(c.op), fmt_seconds(c.forward_s), fmt_seconds(c.backward_s), fmt_bytes(c.saved_bytes)]
+        for c in cm.op_costs(max(args.tokens))
+    ]
+    print(table(["op", "Δt_f", "Δt_b", "Δm"], rows))
+    print(f"\nat T = {max(args.tokens)}: {fmt_bytes(cm.activation_bytes(max(args.tokens)))} saved for backward; wrote {args.out}")
+    return 0
 
 
 def _curve(args: argparse.Namespace) -> int:

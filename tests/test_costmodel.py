@@ -163,7 +163,7 @@ def _block() -> BlockGraph:
 
 
 T = 100
-LOAD = Load(tokens=T, routed=0, score_pairs=T * T)
+LOAD = Load(tokens=T, routed=0, score_pairs=T * T, positions=T)
 FULL = 1000 * T * 4  # bytes of one fp32 tensor at T tokens: 400 kB
 
 
@@ -277,7 +277,7 @@ def test_grouped_mm_experts_match_the_measured_bytes():
     block = cm.blocks[0]
     experts = [t for t in block.tensors if block.owner(t) in ("expert_fc1", "expert_act", "expert_fc2")]
     for s in (10, 100, 1000):
-        load = Load(tokens=50, routed=s, score_pairs=2500)
+        load = Load(tokens=50, routed=s, score_pairs=2500, positions=50)
         assert sum(t.bytes(load) for t in experts) == 1052 * s + 32
 
 
@@ -295,8 +295,9 @@ def test_eager_attention_is_quadratic_in_sequence_length():
     cm = CostModel.from_config(_tiny(attention="eager"), preset("cpu"))
     one_seq = cm.activation_bytes(256)  # one sequence of 256
     four_seq = cm.activation_bytes(256, seq_len=64)  # four sequences of 64
-    # probabilities: heads x L x L fp32 per sequence and layer (fp32 model: one copy)
-    assert one_seq - four_seq == 4 * 4 * 4 * (256 * 256 - 4 * 64 * 64)
+    # probabilities: heads x L x L fp32 per sequence and layer (fp32 model: one copy); RoPE's
+    # cos and sin tables (head_dim per position) are shared by the sequences
+    assert one_seq - four_seq == 4 * 4 * 4 * (256 * 256 - 4 * 64 * 64) + 2 * 16 * (256 - 64) * 4
 
 
 def test_routed_per_layer_and_errors():
@@ -335,7 +336,7 @@ def test_tensor_parallel_splits_per_token_terms():
     two = CostModel.from_config(dims, preset("h100"), Parallel(dp=2, tp=2, ep=1))
     # with no routed pairs, every remaining per-token term is split by tp (ids and RoPE excepted)
     a1, a2 = one.activation_bytes(1000, routed=0), two.activation_bytes(1000, routed=0)
-    emb = sum(t.bytes(Load(1000, 0, 1e6)) for t in one.blocks[-1].tensors)
+    emb = sum(t.bytes(Load(1000, 0, 1e6, 1000)) for t in one.blocks[-1].tensors)
     unsplit = emb + 1000 * 8 + 4 * 8 * 4  # + loss targets + int32 offsets of 8 experts x 4 layers
     assert a2 == pytest.approx((a1 - unsplit) / 2 + unsplit)
     assert two.pairs_per_token == 1.0  # top_k / tp: sequence-parallel tokens are split too

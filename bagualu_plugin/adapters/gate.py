@@ -113,7 +113,11 @@ class GateMonitor:
         """{layer: routed pairs on this rank's experts} for the recorded layers (one host sync)."""
         if not self._local:
             return {}
-        values = torch.stack([self._local[i].to(torch.long).cpu() for i in self._local]).tolist()
+        tensors = list(self._local.values())
+        if len({t.device for t in tensors}) == 1:
+            values = torch.stack(tensors).tolist()
+        else:  # layers on several devices (e.g. pipeline stages in one process): one sync each
+            values = [int(t) for t in tensors]
         return dict(zip(self._local, values))
 
     def reset(self) -> None:
@@ -123,8 +127,9 @@ class GateMonitor:
 
 # Knuth's multiplicative hash: (p * A) mod 2**32 is a golden-ratio Weyl sequence, so consecutive
 # pairs spread evenly over [0, 2**32) and a threshold selects close to `fraction` of any run.
+# Each layer shifts the sequence by layer * frac(sqrt(2)), so layers select different pairs.
 _HASH_A = 2654435761
-_HASH_LAYER = 40503
+_HASH_LAYER = 1779033703
 _HASH_RANGE = 1 << 32
 
 

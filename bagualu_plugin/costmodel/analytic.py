@@ -256,8 +256,8 @@ def embedding(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
     blk = _Block("embed", dims, par, hw)
     rope = dims.head_dim if dims.mla is None else dims.mla.qk_rope_head_dim
     blk.save("embed", blk.tensor("embed.ids", "embed", LinearForm(per_token=1), _I64, floating=False))
-    blk.save("embed", blk.tensor("embed.cos", "embed", LinearForm(per_token=rope), blk.b))
-    blk.save("embed", blk.tensor("embed.sin", "embed", LinearForm(per_token=rope), blk.b))
+    blk.save("embed", blk.tensor("embed.cos", "embed", LinearForm(per_position=rope), blk.b))
+    blk.save("embed", blk.tensor("embed.sin", "embed", LinearForm(per_position=rope), blk.b))
     h = dims.hidden_size
     blk.op("embed", (), LinearForm(), LinearForm(per_token=(h + 2 * rope) * blk.b + _I64), kernels=4)
     blk.dense_params += dims.vocab_size * h // par.tp

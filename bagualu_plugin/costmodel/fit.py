@@ -16,12 +16,13 @@ import numpy as np
 from .graph import INPUT, BlockGraph, OpSpec, TensorSpec
 from .linear import LinearForm, Load
 
-COEFFICIENTS = ("const", "per_token", "per_routed", "per_score")
+COEFFICIENTS = ("const", "per_token", "per_routed", "per_score", "per_position")
 _COLUMN = {
     "const": lambda load: 1.0,
     "per_token": lambda load: load.tokens,
     "per_routed": lambda load: load.routed,
     "per_score": lambda load: load.score_pairs,
+    "per_position": lambda load: load.positions,
 }
 
 
@@ -79,10 +80,11 @@ EXPERT_OPS = ("expert_fc1", "expert_act", "expert_fc2")
 
 def memory_basis(op: str, routed_independent: bool) -> list[str]:
     """Expert ops scale with routed pairs (and with tokens only where pairs vary on their own);
-    everything else with tokens and, for attention, score pairs."""
+    everything else with tokens, score pairs (attention) and positions (tables shared by the
+    sequences of a batch)."""
     if op in EXPERT_OPS:
         return ["const", "per_token", "per_routed"] if routed_independent else ["const", "per_routed"]
-    return ["const", "per_token", "per_score"]
+    return ["const", "per_token", "per_score", "per_position"]
 
 
 def time_basis(op: str) -> list[str]:
@@ -107,28 +109,61 @@ def _fit_time(op: str, loads: list[Load], seconds: list[float]) -> LinearForm:
         basis = [c for c in basis if c not in negative] or ["const"]
 
 
+def _align(samples: Sequence[BlockSample]) -> list[list[TensorSample]]:
+    """The same saved storages in every sample, as columns: `columns[i][r]` is storage i in run r.
+
+    Storages are matched by who saves them (savers, itemsize, floating) and, within that, in the
+    order they were saved. Where runs disagree on which op made them (a kernel copies its input
+    for some batch shapes only, e.g. a non-contiguous layout), the group is merged into one
+    tensor charged to the op that made most of its bytes: memory stays exact, the attribution
+    of that group is approximate.
+    """
+    first = samples[0]
+    for s in samples[1:]:
+        if s.kind != first.kind or s.ops != first.ops:
+            raise ValueError(f"{first.kind} block: ops differ between profiled runs ({first.ops} vs {s.ops})")
+    groups: dict[tuple, list[list[TensorSample]]] = {}
+    for r, s in enumerate(samples):
+        for t in s.tensors:
+            runs = groups.setdefault((t.savers, t.itemsize, t.floating), [[] for _ in samples])
+            runs[r].append(t)
+    columns = []
+    for key, runs in groups.items():
+        if any(not run for run in runs):
+            raise ValueError(
+                f"{first.kind} block: a tensor saved by {key[0]} appears in some profiled runs only; "
+                "the model's graph depends on the input"
+            )
+        producers = [[t.producer for t in run] for run in runs]
+        if all(p == producers[0] for p in producers):
+            columns += [list(col) for col in zip(*runs)]
+            continue
+        weight: dict[str, int] = {}
+        for run in runs:
+            for t in run:
+                weight[t.producer] = weight.get(t.producer, 0) + t.nbytes
+        producer = max(weight, key=weight.get)
+        columns.append([TensorSample(producer, key[0], key[1], key[2], sum(t.nbytes for t in run)) for run in runs])
+    return columns
+
+
 def fit_block(
     samples: Sequence[BlockSample], routed_independent: bool, dense_params: int = 0, expert_params: int = 0
 ) -> BlockGraph:
     """A `BlockGraph` whose tensor sizes reproduce every sample exactly (or an error saying which
     tensor does not) and whose op times are least-squares fits."""
     first = samples[0]
-    for s in samples[1:]:
-        shape = [(t.producer, t.savers, t.itemsize, t.floating) for t in s.tensors]
-        if s.kind != first.kind or s.ops != first.ops or shape != [(t.producer, t.savers, t.itemsize, t.floating) for t in first.tensors]:
-            raise ValueError(
-                f"{first.kind} block: the saved tensors differ between profiled runs (ops {first.ops} vs {s.ops}, "
-                f"{len(first.tensors)} vs {len(s.tensors)} tensors); the model's graph depends on the input"
-            )
     loads = [s.load for s in samples]
     tensors = []
-    for i, t in enumerate(first.tensors):
+    for i, column in enumerate(_align(samples)):
+        t = column[0]
         op = t.producer if t.producer in first.ops else (t.savers or first.ops)[0]
-        elements = [s.tensors[i].nbytes / t.itemsize for s in samples]
+        elements = [c.nbytes / t.itemsize for c in column]
         form = _snap(fit_linear(loads, elements, memory_basis(op, routed_independent)))
         if max_residual(form, loads, elements) > 0.5:
             raise ValueError(f"{first.kind} block: saved tensor {i} of {op} is not linear in the load: {elements}")
         tensors.append(TensorSpec(f"{op}.{i}", t.producer, t.savers, form, t.itemsize, t.floating))
+
     def inputs(op: str) -> tuple[str, ...]:
         """What an op reads, as far as memory is concerned: tensors it saves that other ops made,
         and for the first op the block's input (which a recompute region starting there holds)."""

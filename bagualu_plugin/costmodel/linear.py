@@ -6,14 +6,15 @@ elements) is a `LinearForm` over three load variables:
 - T, tokens of the micro-batch on this device (dense operators),
 - S, routed (token, expert) pairs landing on this device's experts (expert operators),
 - Q, attention score pairs, sum over sequences of L², i.e. T*L for sequences of length L
-  (the quadratic term of eager attention).
+  (the quadratic term of eager attention),
+- L, positions of one sequence (tables shared by the sequences of a batch, e.g. RoPE's cos/sin).
 
 The same form serves an analytic model built from dimensions and a model fitted to profiles.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Load:
     tokens: float
     routed: float
     score_pairs: float
+    positions: float
 
     @classmethod
     def of(cls, tokens: float, routed: float | None, seq_len: float | None, top_k: float) -> Load:
@@ -34,17 +36,18 @@ class Load:
         if seq_len is not None and (seq_len <= 0 or tokens % seq_len):
             raise ValueError(f"seq_len must be a positive divisor of tokens ({tokens}), got {seq_len}")
         length = tokens if seq_len is None else seq_len
-        return cls(tokens, tokens * top_k if routed is None else routed, tokens * length)
+        return cls(tokens, tokens * top_k if routed is None else routed, tokens * length, length)
 
 
 @dataclass(frozen=True)
 class LinearForm:
-    """const + per_token * T + per_routed * S + per_score * Q."""
+    """const + per_token * T + per_routed * S + per_score * Q + per_position * L."""
 
     const: float = 0.0
     per_token: float = 0.0
     per_routed: float = 0.0
     per_score: float = 0.0
+    per_position: float = 0.0
 
     def at(self, load: Load) -> float:
         return (
@@ -52,18 +55,14 @@ class LinearForm:
             + self.per_token * load.tokens
             + self.per_routed * load.routed
             + self.per_score * load.score_pairs
+            + self.per_position * load.positions
         )
 
     def __add__(self, other: LinearForm) -> LinearForm:
-        return LinearForm(
-            self.const + other.const,
-            self.per_token + other.per_token,
-            self.per_routed + other.per_routed,
-            self.per_score + other.per_score,
-        )
+        return LinearForm(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
     def __mul__(self, k: float) -> LinearForm:
-        return LinearForm(self.const * k, self.per_token * k, self.per_routed * k, self.per_score * k)
+        return LinearForm(*(a * k for a in astuple(self)))
 
     __rmul__ = __mul__
 

@@ -164,26 +164,14 @@ def profile(
         stack.callback(set_expert_parallel, adapter, 1, 0)
         tracker = OpTracker(adapter).install()
         stack.callback(tracker.remove)
-        monitor = GateMonitor(adapter, ep_size=ep_size, ep_rank=ep_rank).install()
-        stack.callback(monitor.remove)
+        monitor = stack.enter_context(GateMonitor(adapter, ep_size=ep_size, ep_rank=ep_rank))
         for batch, seq_len, skew in tqdm(runs, desc="profiling", disable=not progress):
             ids = torch.randint(0, vocab, (batch, seq_len), generator=generator).to(device)
             with ExitStack() as run:
-                if skew:
-                    run.enter_context(_installed(RoutingSkew(adapter, skew, ep_size=ep_size, ep_rank=ep_rank)))
+                if ep_size > 1:  # in every run, so every run saves the same tensors (its index copy too)
+                    run.enter_context(RoutingSkew(adapter, skew, ep_size=ep_size, ep_rank=ep_rank))
                 samples.append(_measure(model, adapter, tracker, monitor, ids, repeats))
     return _fit(samples, adapter, hw, ep_size)
-
-
-class _installed:
-    def __init__(self, hook):
-        self.hook = hook
-
-    def __enter__(self):
-        return self.hook.install()
-
-    def __exit__(self, *exc):
-        self.hook.remove()
 
 
 def _forward(model, ids):
@@ -261,7 +249,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     blocks: dict[int, BlockSample] = {}
     for index in dict.fromkeys(op.layer for op in order):
         ops = tuple(op.name for op in order if op.layer == index)
-        load = Load(batch * seq_len, routed.get(index, 0), batch * seq_len * seq_len)
+        load = Load(batch * seq_len, routed.get(index, 0), batch * seq_len * seq_len, seq_len)
         blocks[index] = BlockSample(
             _kind(adapter, index),
             load,

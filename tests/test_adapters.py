@@ -1,0 +1,510 @@
+"""Adapters: layers and ops of every family, op tracking, the gate hook, the "bagualu" experts
+implementation (bitwise equal to transformers' grouped_mm), emulated expert parallelism and the
+deterministic routing skew. All on tiny random models of the six families, on CPU."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from bagualu_plugin.adapters import (
+    FAMILIES,
+    IMPLEMENTATION,
+    Adapter,
+    OpTracker,
+    UnsupportedModelError,
+    is_inside_backward,
+    list_ops,
+    local_expert_range,
+    save_tiny,
+    set_expert_parallel,
+    tiny_model,
+)
+from bagualu_plugin.adapters import experts as bagualu_experts
+from bagualu_plugin.adapters.gate import GateMonitor, RoutingSkew, tokens_per_expert
+
+FAMS = sorted(FAMILIES)
+DENSE_FIRST = {"glm4_moe", "deepseek_v3", "qwen2_moe", "qwen3_moe"}  # tiny configs: layer 0 is dense
+WITH_SHARED = {"glm4_moe", "deepseek_v3", "qwen2_moe"}
+E, K = 8, 2  # experts and top-k of every tiny config
+EXPERT_OPS = ["expert_fc1", "expert_act", "expert_fc2"]
+
+
+def batch(seed: int = 1, tokens: int = 24, rows: int = 2) -> torch.Tensor:
+    return torch.randint(0, 128, (rows, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def model_of(family: str, impl: str = "grouped_mm", dtype=torch.float32, **overrides):
+    model = tiny_model(family, dtype=dtype, **overrides)
+    model.set_experts_implementation(impl)
+    return model
+
+
+def step(model, ids: torch.Tensor):
+    """Loss and every parameter gradient of one forward/backward."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def assert_bitwise(reference, other):
+    loss0, grads0 = reference
+    loss1, grads1 = other
+    assert torch.equal(loss0, loss1), (loss0.item(), loss1.item())
+    assert grads0.keys() == grads1.keys()
+    unequal = [n for n in grads0 if not (grads0[n] is None and grads1[n] is None or torch.equal(grads0[n], grads1[n]))]
+    assert not unequal, f"{len(unequal)} gradients differ, e.g. {unequal[:3]}"
+
+
+def moe_layers(model) -> list:
+    return [layer for layer in Adapter(model).layers if layer.moe]
+
+
+class RouterCapture:
+    """Our own forward hook on every router: what it really returned (registered last, or first
+    with prepend=True to see the routing before other hooks rewrite it)."""
+
+    def __init__(self, model, prepend: bool = False):
+        self.index: dict[int, list[torch.Tensor]] = {}
+        self.inside_backward = 0
+        self.handles = [
+            layer.router.register_forward_hook(self._hook(layer.index), prepend=prepend) for layer in moe_layers(model)
+        ]
+
+    def _hook(self, index):
+        def hook(module, args, output):
+            if is_inside_backward():
+                self.inside_backward += 1
+            self.index.setdefault(index, []).append(output[2].clone())
+
+        return hook
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+class SavedBytes:
+    """Bytes the autograd graph saves for each experts module, as a ledger would count them: our
+    own saved_tensors_hooks around the whole forward, storages deduplicated by data_ptr,
+    parameters excluded, and a storage charged to a layer's experts only if nothing outside them
+    saves it too (inputs the experts share with the router are not theirs)."""
+
+    def __init__(self, model):
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._scope = None
+        self._scopes: dict[int, set] = {}
+        self._tensors: dict[int, torch.Tensor] = {}  # held: no address reuse while we count
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self.handles = []
+        for layer in moe_layers(model):
+            self.handles.append(layer.experts.register_forward_pre_hook(self._enter(layer.index)))
+            self.handles.append(layer.experts.register_forward_hook(self._exit))
+
+    def _pack(self, tensor):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr not in self._params:
+            self._tensors[ptr] = tensor
+            self._scopes.setdefault(ptr, set()).add(self._scope)
+        return tensor
+
+    def _enter(self, index):
+        def pre_hook(module, args):
+            self._scope = index
+
+        return pre_hook
+
+    def _exit(self, module, args, output):
+        self._scope = None
+
+    @property
+    def bytes(self) -> dict[int, int]:
+        totals: dict[int, int] = {}
+        for ptr, scopes in self._scopes.items():
+            if len(scopes) == 1 and None not in scopes:
+                (index,) = scopes
+                totals[index] = totals.get(index, 0) + self._tensors[ptr].untyped_storage().nbytes()
+        return totals
+
+    def __enter__(self):
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+        for handle in self.handles:
+            handle.remove()
+
+
+# --- Adapter / list_ops ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMS)
+def test_layers_and_ops(family):
+    model = tiny_model(family)
+    adapter = Adapter(model)
+    moe = [layer.moe for layer in adapter.layers]
+    assert moe == ([False] + [True] * (len(moe) - 1) if family in DENSE_FIRST else [True] * len(moe))
+    for layer in adapter.layers:
+        mlp = layer.module.mlp
+        if layer.moe:
+            assert layer.router is getattr(mlp, FAMILIES[family].router) and layer.experts is mlp.experts
+            assert layer.experts.num_experts == E
+    assert adapter.num_experts == E and adapter.top_k == K
+
+    ops = list_ops(model)
+    assert ops == adapter.ops()
+    assert ops[0].layer == -1 and ops[0].name == "embed"
+    assert [op.name for op in ops[-3:]] == ["final_norm", "lm_head", "loss"]
+    attn = ["attn_norm", "attn_qkv", "attn_core", "attn_out", "mlp_norm"]
+    for layer in adapter.layers:
+        names = [op.name for op in ops if op.layer == layer.index]
+        if not layer.moe:
+            assert names == attn + ["dense_mlp"]
+        else:
+            assert names == attn + ["router"] + EXPERT_OPS + (["shared_expert"] if family in WITH_SHARED else [])
+
+
+def test_unsupported_model_names_model_type_and_supported():
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnsupportedModelError) as info:
+        list_ops(model)
+    message = str(info.value)
+    assert "'llama'" in message
+    assert all(family in message for family in FAMS)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_moe_block_without_router_names_it(family):
+    model = tiny_model(family)
+    layer = moe_layers(model)[0]
+    name = FAMILIES[family].router
+    delattr(layer.module.mlp, name)
+    with pytest.raises(UnsupportedModelError, match=f"layer {layer.index}.*'{name}'"):
+        Adapter(model)
+
+
+def test_wrappers_are_unwrapped():
+    model = tiny_model("mixtral")
+
+    class PeftModelForCausalLM(nn.Module):  # the shape of a PEFT wrapper
+        def __init__(self, base):
+            super().__init__()
+            self.base_model = base
+
+        def get_base_model(self):
+            return self.base_model
+
+    expected = list_ops(model)
+    for wrapped in (PeftModelForCausalLM(model), torch.compile(model), torch.compile(PeftModelForCausalLM(model))):
+        assert Adapter(wrapped).model is model
+        assert list_ops(wrapped) == expected
+
+
+# --- OpTracker ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMS)
+def test_tracker_sees_expert_ops_in_order(family):
+    sequences = {}
+    for impl in ("grouped_mm", IMPLEMENTATION):
+        model = model_of(family, impl)
+        tracker = OpTracker(Adapter(model)).install()
+        seen = []
+        tracker.listeners.append(seen.append)
+        model(input_ids=batch())
+        tracker.remove()
+        sequences[impl] = seen
+
+    seen = sequences[IMPLEMENTATION]
+    assert seen[0].name == "embed" and [op.name for op in seen[-3:]] == ["final_norm", "lm_head", "loss"]
+    for layer in moe_layers(model):
+        names = [op.name for op in seen if op.layer == layer.index]
+        start = names.index("router")
+        assert names[start : start + 4] == ["router"] + EXPERT_OPS
+    # transformers' grouped_mm is one opaque op: only its fc1 scope (the module pre-hook) shows.
+    default_names = {op.name for op in sequences["grouped_mm"]}
+    assert "expert_fc1" in default_names and not {"expert_act", "expert_fc2"} & default_names
+
+
+# --- gate hook ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMS)
+def test_gate_counts_match_router_output(family):
+    model = model_of(family, IMPLEMENTATION)
+    calls = []
+    ran = set()
+    for layer in moe_layers(model):
+        layer.experts.register_forward_pre_hook(lambda m, a, i=layer.index: ran.add(i))
+    monitor = GateMonitor(model, ep_size=4, ep_rank=1, on_gate=lambda i, c, s: calls.append((i, i in ran))).install()
+    capture = RouterCapture(model)
+    model(input_ids=batch())
+    local = local_expert_range(E, 4, 1)
+    assert list(local) == [2, 3]
+    assert calls == [(layer.index, False) for layer in moe_layers(model)]  # at gate time: experts not run yet
+    pairs = monitor.local_pairs()
+    for layer in moe_layers(model):
+        (index,) = capture.index[layer.index]
+        assert torch.equal(monitor.counts(layer.index), torch.bincount(index.flatten(), minlength=E))
+        assert pairs[layer.index] == int(((index >= 2) & (index < 4)).sum())
+    assert sum(monitor.counts(moe_layers(model)[0].index)).item() == batch().numel() * K
+    monitor.reset()
+    assert monitor.local_pairs() == {}
+    with pytest.raises(KeyError, match="no routing recorded"):
+        monitor.counts(moe_layers(model)[0].index)
+    monitor.remove()
+    model(input_ids=batch())
+    assert monitor.local_pairs() == {} and len(calls) == len(moe_layers(model))
+
+
+def test_gate_ignores_sentinel_indices():
+    model = tiny_model("qwen3_moe")
+    layer = moe_layers(model)[0]
+    sentinel = torch.tensor([[0, E], [E + 3, 2], [2, 3], [E, E]])
+
+    def to_sentinels(module, args, output):
+        return output[0], output[1], sentinel
+
+    layer.router.register_forward_hook(to_sentinels)
+    monitor = GateMonitor(model, ep_size=4, ep_rank=1).install()
+    layer.router(torch.randn(4, 64))
+    assert monitor.counts(layer.index).tolist() == [1, 0, 2, 1, 0, 0, 0, 0]
+    assert monitor.local_pairs() == {layer.index: 3}
+    assert tokens_per_expert(torch.tensor([-1, 0, 7, 8]), E).tolist() == [1, 0, 0, 0, 0, 0, 0, 1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_gate_does_not_decide_again_in_backward_recompute(family):
+    model = model_of(family, IMPLEMENTATION)
+    model.activation_checkpointing_enable()
+    calls = []
+    monitor = GateMonitor(model, on_gate=lambda i, c, s: calls.append(i)).install()
+    capture = RouterCapture(model)
+    loss = model(input_ids=batch(), labels=batch()).loss
+    layers = [layer.index for layer in moe_layers(model)]
+    assert calls == layers
+    recorded = {i: monitor.counts(i) for i in layers}
+    loss.backward()
+    assert capture.inside_backward == len(layers)  # the routers really ran again, inside backward
+    assert calls == layers
+    assert all(monitor.counts(i) is recorded[i] for i in layers)
+
+
+def test_gate_monitor_validates():
+    model = tiny_model("mixtral")
+    with pytest.raises(ValueError, match="ep_size"):
+        GateMonitor(model, ep_size=3)
+    with pytest.raises(ValueError, match="ep_rank"):
+        GateMonitor(model, ep_size=2, ep_rank=2)
+    with pytest.raises(ValueError, match="on_gate"):
+        GateMonitor(model, on_gate=3)
+
+
+# --- bagualu experts == grouped_mm --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_bagualu_equals_default_bitwise(family, dtype):
+    ids = batch()
+    reference = step(model_of(family, "grouped_mm", dtype), ids)
+    model = model_of(family, IMPLEMENTATION, dtype)
+    assert model.config._experts_implementation == IMPLEMENTATION
+    assert_bitwise(reference, step(model, ids))
+
+
+def test_bagualu_via_from_pretrained(tmp_path):
+    save_tiny("glm4_moe", tmp_path)
+    ids = batch()
+    default = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).train()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="bagualu", local_files_only=True)
+    model.train()
+    assert model.config._experts_implementation == "bagualu"
+    used = []
+    for layer in moe_layers(model):
+        layer.experts.expert_op_runner = lambda name, op, *args, **kw: used.append(name) or op(*args, **kw)
+    assert_bitwise(step(default, ids), step(model, ids))
+    assert used == EXPERT_OPS * len(moe_layers(model))
+
+
+def test_op_runner_wraps_each_op_with_checkpoint():
+    """The seam a runtime uses: each op alone under a checkpoint still gives equal results."""
+    ids = batch()
+    reference = step(model_of("gpt_oss", "grouped_mm"), ids)
+    model = model_of("gpt_oss", IMPLEMENTATION)
+
+    def recompute(name, op, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(op, *args, use_reentrant=False, **kwargs)
+
+    with SavedBytes(model) as kept:
+        step(model, ids)
+    for layer in moe_layers(model):
+        layer.experts.expert_op_runner = recompute
+    with SavedBytes(model) as recomputed:
+        assert_bitwise(reference, step(model, ids))
+    # Only the op boundaries (fc1's and act's outputs) stay: fewer bytes than without recompute.
+    assert recomputed.bytes.keys() == kept.bytes.keys()
+    assert all(0 < recomputed.bytes[i] < kept.bytes[i] for i in kept.bytes)
+
+
+# --- emulated expert parallelism ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMS)
+def test_expert_parallel_emulation_is_exact(family):
+    ids = batch(tokens=32)
+    reference = step(model_of(family, IMPLEMENTATION), ids)
+    for ep_size, ep_rank in ((4, 1), (2, 0), (8, 7)):
+        model = model_of(family, IMPLEMENTATION)
+        assert set_expert_parallel(model, ep_size, ep_rank) == local_expert_range(E, ep_size, ep_rank)
+        # top-2: bitwise. (Top-k > 2 sums a token's hidden-state gradient in another order; below.)
+        assert_bitwise(reference, step(model, ids))
+
+
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, 2e-6), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_expert_parallel_emulation_top4_tolerance(dtype, rtol):
+    ids = batch(tokens=32)
+    loss0, grads0 = step(model_of("qwen3_moe", IMPLEMENTATION, dtype, num_experts_per_tok=4), ids)
+    model = model_of("qwen3_moe", IMPLEMENTATION, dtype, num_experts_per_tok=4)
+    set_expert_parallel(model, 4, 1)
+    loss1, grads1 = step(model, ids)
+    assert torch.equal(loss0, loss1)
+    for name, grad in grads0.items():
+        error = (grads1[name].float() - grad.float()).norm() / grad.float().norm().clamp_min(1e-30)
+        assert error <= rtol, (name, error.item())
+
+
+def test_set_expert_parallel_validates_and_resets():
+    model = model_of("qwen3_moe", IMPLEMENTATION)
+    with pytest.raises(ValueError, match="ep_size"):
+        set_expert_parallel(model, 3, 0)
+    with pytest.raises(ValueError, match="ep_size"):
+        set_expert_parallel(model, 0, 0)
+    with pytest.raises(ValueError, match="ep_rank"):
+        set_expert_parallel(model, 4, 4)
+    with pytest.raises(ValueError, match="ep_rank"):
+        set_expert_parallel(Adapter(model), 4, -1)
+    with pytest.raises(ValueError, match="ep_size"):
+        set_expert_parallel(model, 2.0, 0)
+    set_expert_parallel(model, 4, 3)
+    assert all(getattr(layer.experts, bagualu_experts.EP_ATTR) == (6, 8) for layer in moe_layers(model))
+    set_expert_parallel(model, 1, 0)
+    assert not any(hasattr(layer.experts, bagualu_experts.EP_ATTR) for layer in moe_layers(model))
+
+
+def _bytes_and_local_pairs(model, ep_size, ep_rank, fraction, tokens):
+    ids = batch(tokens=tokens)
+    with RoutingSkew(model, fraction, ep_size, ep_rank), GateMonitor(model, ep_size, ep_rank) as monitor:
+        with SavedBytes(model) as saved:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    return saved.bytes, monitor.local_pairs()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_expert_parallel_saved_bytes_follow_local_pairs_only(family):
+    model = model_of(family, IMPLEMENTATION)
+    set_expert_parallel(model, 4, 1)
+    fits = {}
+    for tokens in (32, 48):
+        points = []  # (local pairs S, saved bytes) per MoE layer and routing, T fixed
+        for fraction in (0.0, 0.3, 0.7, 1.0):
+            nbytes, local = _bytes_and_local_pairs(model, 4, 1, fraction, tokens)
+            points += [(local[i], nbytes[i]) for i in nbytes]
+        (s0, b0), (s1, b1) = min(points), max(points)
+        assert s1 - s0 > 50
+        for s, b in points:  # exactly on one line (integer arithmetic)
+            assert (b - b0) * (s1 - s0) == (b1 - b0) * (s - s0), (tokens, s, b)
+        fits[tokens] = ((b1 - b0) / (s1 - s0), b0 - (b1 - b0) / (s1 - s0) * s0)
+    (slope32, base32), (slope48, base48) = fits[32], fits[48]
+    # Each local pair keeps its activations (~1 KB here); a remote pair keeps nothing but the
+    # routing row it shares with the checkpoint's inputs (top_k_index int64 + top_k_weights).
+    assert slope32 == slope48 > 500
+    more_slots = 2 * (48 - 32) * K  # (token, slot) pairs added by the longer batch
+    assert 0 <= base48 - base32 <= more_slots * (8 + 4)
+
+    # Without emulation every expert is local: skew moves no memory, bytes follow total pairs.
+    set_expert_parallel(model, 1, 0)
+    unskewed, _ = _bytes_and_local_pairs(model, 4, 1, 0.0, 32)
+    skewed, _ = _bytes_and_local_pairs(model, 4, 1, 1.0, 32)
+    assert unskewed == skewed
+    assert all(nbytes > 0.9 * slope32 * 2 * 32 * K for nbytes in unskewed.values())
+
+
+# --- RoutingSkew -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMS)
+def test_routing_skew_moves_selected_pairs_local(family):
+    model = model_of(family, IMPLEMENTATION)
+    ep_size, ep_rank, fraction = 4, 1, 0.4
+    monitor = GateMonitor(model, ep_size, ep_rank).install()  # before the skew, yet sees its routing
+    after = RouterCapture(model)
+    skew = RoutingSkew(model, fraction, ep_size, ep_rank).install()
+    before = RouterCapture(model, prepend=True)  # runs ahead of the skew: the router's own routing
+    ids = batch()
+    for _ in range(2):
+        model(input_ids=ids)
+    local = local_expert_range(E, ep_size, ep_rank)
+    pairs = monitor.local_pairs()
+    for layer in moe_layers(model):
+        old, new = before.index[layer.index][0], after.index[layer.index][0]
+        assert torch.equal(new, after.index[layer.index][1])  # deterministic across forwards
+        is_local = lambda x: (x >= local.start) & (x < local.stop)  # noqa: E731
+        mask = skew.mask(*old.shape, layer.index)
+        moved = mask & ~is_local(old)
+        assert abs(int(mask.sum()) - fraction * old.numel()) <= 2
+        assert torch.equal(new[~moved], old[~moved]) and bool(is_local(new[moved]).all())
+        assert pairs[layer.index] == int(is_local(old).sum()) + int(moved.sum())
+        assert int(moved.sum()) > 0
+        assert bool((new[:, 0] != new[:, 1]).all())  # 2 local experts for top-2: no duplicates
+
+
+def test_routing_skew_survives_recompute():
+    """No RNG: the routing a checkpoint recomputes is the routing of the forward."""
+    ids = batch()
+    results = []
+    for checkpointing in (False, True):
+        model = model_of("glm4_moe", IMPLEMENTATION)
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        set_expert_parallel(model, 4, 2)
+        skew = RoutingSkew(model, 0.5, 4, 2).install()
+        results.append(step(model, ids))
+        skew.remove()
+    assert_bitwise(*results)
+
+
+def test_routing_skew_fraction_and_arguments():
+    model = tiny_model("mixtral")
+    for fraction in (0.0, 0.1, 0.5, 0.9, 1.0):
+        skew = RoutingSkew(model, fraction, 2, 0)
+        for tokens in (7, 64, 333):
+            for layer in (0, 1):
+                count = int(skew.mask(tokens, K, layer).sum())
+                assert abs(count - fraction * tokens * K) <= 2, (fraction, tokens, count)
+    assert not torch.equal(RoutingSkew(model, 0.5, 2, 0).mask(64, K, 0), RoutingSkew(model, 0.5, 2, 0).mask(64, K, 1))
+    for bad in (-0.1, 1.5, "0.5", True, float("nan")):
+        with pytest.raises(ValueError, match="fraction"):
+            RoutingSkew(model, bad, 2, 0)
+    with pytest.raises(ValueError, match="ep_size"):
+        RoutingSkew(model, 0.5, 3, 0)
+    with pytest.raises(ValueError, match="ep_rank"):
+        RoutingSkew(model, 0.5, 2, 2)
+    with pytest.raises(ValueError, match="not MoE layers"):
+        RoutingSkew(model, 0.5, 2, 0, layers=[5])
+    dense_first = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match=r"\[0\].*MoE layers: \[1, 2\]"):
+        RoutingSkew(dense_first, 0.5, 2, 0, layers=[0])
+    with pytest.raises(ValueError, match="layers"):
+        RoutingSkew(dense_first, 0.5, 2, 0, layers=1)
+    skew = RoutingSkew(dense_first, 1.0, 2, 0, layers=[2])
+    assert [layer.index for layer in skew.layers] == [2]
