@@ -1,12 +1,19 @@
 """bagualu-plugin: adaptive activation-memory provisioning for MoE training (BaGuaLu-2, SC26).
 
-Public API (DESIGN.md section 4); everything else is internal.
+Public API (DESIGN.md section 4); everything else is internal. Importing the package registers
+the "bagualu" experts implementation with transformers, so
+`from_pretrained(..., experts_implementation="bagualu")` works after `import bagualu_plugin`.
 """
 
+from .adapters import list_ops
 from .config import Recipe, RecipeError, load_recipe
 from .costmodel import CostModel, ModelDims, OpId, Parallel
 from .hardware import HardwareSpec
+from .runtime.profiler import profile
 
 __version__ = "0.1.0"
 
-__all__ = ["CostModel", "HardwareSpec", "ModelDims", "OpId", "Parallel", "Recipe", "RecipeError", "load_recipe"]
+__all__ = [
+    "CostModel", "HardwareSpec", "ModelDims", "OpId", "Parallel", "Recipe", "RecipeError", "list_ops",
+    "load_recipe", "profile",
+]

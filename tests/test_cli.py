@@ -15,7 +15,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 def test_curve_on_the_paper_glm_423b_preset(tmp_path):
     png = tmp_path / "curve.png"
-    done = _run("curve", "glm-423b-a30b", "--png", str(png), "--spike", "7:2.6")
+    done = _run("curve", "glm-423b-a30b", "--png", str(png), "--spike", "6:2.6", "--spike", "7:2.6")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     for op in ("attn_norm", "attn_core", "router", "expert_fc1", "expert_act", "expert_fc2", "shared_expert"):

@@ -15,7 +15,7 @@ FAMILY = Family(
             "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
             "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
             "n_group": 1, "topk_group": 1, "q_lora_rank": 32, "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, **kw,
+            "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 24, **kw,
         }
     ),
 )

@@ -76,11 +76,13 @@ class _Block:
     # building pieces shared by several ops ------------------------------------------------
     def rmsnorm(self, prefix: str, producer: str, inp: str, width: int, groups: int = 1) -> list[str]:
         """HF RMSNorm over `groups` vectors per token: upcast to FP32 (a no-op in FP32, which then
-        keeps `inp` itself), keep the upcast, 1/rms, and the normalised input in the model dtype
-        for the weight multiply. Returns the saved tensors."""
+        keeps `inp` itself), keep the upcast, 1/rms, and the normalised input for the weight
+        multiply: cast back to the model dtype first, except in gpt-oss, which multiplies in FP32.
+        Returns the saved tensors."""
+        normed = _F32 if self.dims.family == "gpt_oss" else self.b
         saved = [inp] if self.b == _F32 else [self.tensor(f"{prefix}.x32", producer, self.tok(width), _F32)]
         saved.append(self.tensor(f"{prefix}.rstd", producer, self.tok(groups), _F32))
-        saved.append(self.tensor(f"{prefix}.normed", producer, self.tok(width), self.b))
+        saved.append(self.tensor(f"{prefix}.normed", producer, self.tok(width), normed))
         return saved
 
     def gated_mlp(self, op: str, inp: str, inter: int, width: int) -> None:
@@ -99,32 +101,45 @@ def _norm_op(blk: _Block, op: str, inp: str, out: str) -> None:
 
 
 def _attention(blk: _Block, inp: str) -> str:
-    """attn_norm, attn_qkv, attn_core, attn_out; returns the residual stream after attention."""
+    """attn_norm, attn_qkv, attn_core, attn_out; returns the residual stream after attention.
+
+    attn_qkv ends with the last projection, so RoPE belongs to attn_core (DESIGN.md section 4),
+    which keeps the rotated q and k, a contiguous v, and either the kernel's output and
+    log-sum-exp (sdpa) or the (heads x L x L) probabilities (eager). The context handed to the
+    output projection is the kernel's output itself, except where q and k were re-assembled with
+    cat (partial rotary, MLA): then the output lands head-major and the context is a copy.
+    """
     d, b = blk.dims, blk.b
     h, nh, nkv, hd = d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim
     _norm_op(blk, "attn_norm", inp, "attn_norm.out")
-
     blk.save("attn_qkv", "attn_norm.out")
     if d.mla is None:
-        q_w, k_w, v_w = nh * hd, nkv * hd, nkv * hd
-        if d.qk_norm:  # per-head RMSNorm on q and k before RoPE
+        q_w, k_w, v_w, ctx_w = nh * hd, nkv * hd, nkv * hd, nh * hd
+        if d.qk_norm:  # per-head RMSNorm on q and k after their projections
             for name, w in (("q", q_w), ("k", k_w)):
                 raw = blk.tensor(f"attn_qkv.{name}_raw", "attn_qkv", blk.tok(w), b)
                 blk.save("attn_qkv", *blk.rmsnorm(f"attn_qkv.{name}_norm", "attn_qkv", raw, w, groups=w // hd))
         proj_flops = 2 * h * (q_w + k_w + v_w)
+        core_q, core_k = "attn_core", "attn_core"  # RoPE makes them inside attn_core
     else:
         m = d.mla
         qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-        q_w, k_w, v_w = nh * qk, nh * qk, nh * (m.qk_nope_head_dim + m.v_head_dim)
-        for name, rank in (("q_a", m.q_lora_rank), ("kv_a", m.kv_lora_rank)):
+        q_w, k_w, v_w, ctx_w = nh * qk, nh * qk, nh * m.v_head_dim, nh * m.v_head_dim
+        lora = [("q_a", m.q_lora_rank, m.q_lora_rank), ("kv_a", m.kv_lora_rank, m.kv_lora_rank + m.qk_rope_head_dim)]
+        for name, rank, raw_width in lora:
             if rank:  # the low-rank latent is RMS-normalised before its up-projection
-                raw = blk.tensor(f"attn_qkv.{name}_out", "attn_qkv", blk.tok(rank), b)
+                raw = blk.tensor(f"attn_qkv.{name}_out", "attn_qkv", blk.tok(raw_width), b)
                 blk.save("attn_qkv", *blk.rmsnorm(f"attn_qkv.{name}_norm", "attn_qkv", raw, rank))
+                blk.save("attn_qkv", blk.tensor(f"attn_qkv.{name}_normed_out", "attn_qkv", blk.tok(rank), b))
         q_flops = 2 * h * q_w if m.q_lora_rank == 0 else 2 * m.q_lora_rank * (h + q_w)
-        kv_flops = 2 * h * (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * m.kv_lora_rank * v_w
+        kv_flops = 2 * h * (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * m.kv_lora_rank * nh * (m.qk_nope_head_dim + m.v_head_dim)
         proj_flops = q_flops + kv_flops
-    for name, w in (("q", q_w), ("k", k_w), ("v", v_w)):
-        blk.tensor(name, "attn_qkv", blk.tok(w), b)
+        # q is assembled with cat before kv_b_proj; k after it (in attn_core); v is a view of
+        # kv_b_proj's output, which a fused kernel keeps whole (nope and v columns)
+        blk.tensor("attn_qkv.kv_b_out", "attn_qkv", blk.tok(nh * (m.qk_nope_head_dim + m.v_head_dim)), b)
+        core_q, core_k = "attn_qkv", "attn_core"
+    for name in ("q_in", "k_in", "v_in"):  # what the projections hand to attention's core
+        blk.tensor(name, "attn_qkv", blk.tok({"q_in": q_w, "k_in": k_w, "v_in": v_w}[name]), b)
     blk.op(
         "attn_qkv",
         ("attn_norm.out",),
@@ -133,63 +148,93 @@ def _attention(blk: _Block, inp: str) -> str:
         kernels=12,
     )
 
-    # attn_core: causal attention over sequences; sdpa keeps its output and log-sum-exp, eager
-    # keeps the (heads x L x L) probabilities in FP32 and in the model dtype
-    ctx_w = nh * (hd if d.mla is None else d.mla.v_head_dim)
+    sinks = d.family == "gpt_oss"  # learned per-head sinks add one logit column, max-subtracted
+    repeat = d.mla is None and nkv != nh and d.attention == "eager"  # repeat_kv copies k, v per query head
+    blk.save("attn_core", blk.tensor("attn_core.q", core_q, blk.tok(q_w), b))
+    blk.save("attn_core", blk.tensor("attn_core.k", core_k, blk.tok(nh * hd if repeat else k_w), b))
+    if d.mla is not None and d.attention == "sdpa":
+        blk.save("attn_core", "attn_qkv.kv_b_out")
+    else:  # a contiguous v; eager MLA keeps the whole key/value projection for one sequence
+        v = blk.tok(nh * hd if repeat else v_w)
+        if d.mla is not None:
+            v += LinearForm(per_single_token=nh * d.mla.qk_nope_head_dim / blk.par.tp)
+        blk.save("attn_core", blk.tensor("attn_core.v", "attn_core", v, b))
+    copy_ctx = d.partial_rotary or d.mla is not None
     if d.attention == "sdpa":
-        blk.save("attn_core", "q", "k", "v")
-        blk.save("attn_core", blk.tensor("attn_core.out", "attn_core", blk.tok(ctx_w), b))
         blk.save("attn_core", blk.tensor("attn_core.lse", "attn_core", blk.tok(nh), _F32))
-    else:
-        blk.save("attn_core", "q")
-        if d.mla is None and nkv != nh:  # repeat_kv copies k and v to every query head
-            blk.save("attn_core", blk.tensor("attn_core.k_rep", "attn_core", blk.tok(nh * hd), b))
-            blk.save("attn_core", blk.tensor("attn_core.v_rep", "attn_core", blk.tok(nh * hd), b))
-        else:
-            blk.save("attn_core", "k", "v")
+        if copy_ctx:
+            blk.save("attn_core", blk.tensor("attn_core.out", "attn_core", blk.tok(ctx_w), b))
+    elif sinks:  # softmax in the model dtype over L + 1 columns, after subtracting the row max
+        blk.save("attn_core", blk.tensor("attn_core.probs", "attn_core", blk.score(nh) + blk.tok(nh), b))
+        blk.save("attn_core", blk.tensor("attn_core.max_index", "attn_core", blk.tok(nh), _I64, floating=False))
+    else:  # softmax in FP32, cast back to the model dtype for the product with v
         blk.save("attn_core", blk.tensor("attn_core.probs32", "attn_core", blk.score(nh), _F32))
         if b != _F32:
             blk.save("attn_core", blk.tensor("attn_core.probs", "attn_core", blk.score(nh), b))
     blk.tensor("ctx", "attn_core", blk.tok(ctx_w), b)
+    blk.save("attn_core" if d.attention == "sdpa" and not copy_ctx else "attn_out", "ctx")
+    blk.save("attn_out", "ctx")
     qk_dim = q_w // nh
     blk.op(
         "attn_core",
-        ("q", "k", "v"),
+        ("q_in", "k_in", "v_in"),
         blk.score(nh * (qk_dim + ctx_w // nh)),  # 2 FLOPs x 2 matmuls, halved by the causal mask
         blk.tok((q_w + k_w + v_w + 2 * ctx_w) * b) + (blk.score(nh * 2 * _F32) if d.attention == "eager" else LinearForm()),
         kernels=4 if d.attention == "sdpa" else 8,
     )
 
-    blk.save("attn_out", "ctx")
     blk.tensor("attn_out.residual", "attn_out", blk.tok(h), b)
     blk.op("attn_out", ("ctx",), blk.tok(2 * ctx_w * h), LinearForm(const=ctx_w * h * b / blk.par.tp) + blk.tok((ctx_w + 2 * h) * b), kernels=2)
     blk.dense_params += attention_params(d) // blk.par.tp
     return "attn_out.residual"
 
 
-def _moe(blk: _Block, h_in: str) -> None:
-    """router, expert_fc1, expert_act, expert_fc2, shared_expert (grouped_mm experts)."""
-    d, b = blk.dims, blk.b
-    h, E, k, inter = d.hidden_size, d.num_experts, d.top_k, d.moe_intermediate_size
-    local = E // blk.par.ep
+def _router(blk: _Block, h_in: str) -> int:
+    """The router's saved tensors; returns the byte width of the routing weights it hands on.
 
+    GLM-4 and DeepSeek-V3 route in FP32 through a sigmoid (keeping an FP32 copy of a low-precision
+    input); Qwen and Mixtral through an FP32 softmax; gpt-oss softmaxes only the top-k logits.
+    All keep the top-k index; renormalised weights keep the raw top-k and their sum. The weights
+    stay FP32 except where Qwen and gpt-oss cast them to the model dtype.
+    """
+    d, b = blk.dims, blk.b
+    h, E, k = d.hidden_size, d.num_experts, d.top_k
     fp32_router = d.family in ("glm4_moe", "deepseek_v3")
-    if fp32_router and b != _F32:
-        blk.save("router", blk.tensor("router.x32", "router", blk.tok(h), _F32))
+    blk.save("router", blk.tensor("router.x32", "router", blk.tok(h), _F32) if fp32_router and b != _F32 else h_in)
+    if d.family == "gpt_oss":
+        blk.save("router", blk.tensor("router.topk_softmax", "router", blk.tok(k), b))
     else:
-        blk.save("router", h_in)
-    blk.save("router", blk.tensor("router.scores", "router", blk.tok(E), _F32))
+        blk.save("router", blk.tensor("router.scores", "router", blk.tok(E), _F32))
     blk.save("router", blk.tensor("router.topk_index", "router", blk.tok(k), _I64, floating=False))
-    blk.save("router", blk.tensor("router.topk_raw", "router", blk.tok(k), _F32))
+    if d.norm_topk_prob:
+        blk.save("router", blk.tensor("router.topk_raw", "router", blk.tok(k), _F32))
+        blk.save("router", blk.tensor("router.topk_sum", "router", blk.tok(1), _F32))
     blk.tensor("topk_index", "router", blk.tok(k), _I64, floating=False)
-    blk.tensor("topk_weights", "router", blk.tok(k), _F32)
+    weights = _F32 if fp32_router or d.family == "mixtral" else b
+    blk.tensor("topk_weights", "router", blk.tok(k), weights)
     blk.op("router", (h_in,), blk.tok(2 * h * E), LinearForm(const=E * h * _F32) + blk.tok(h * b + 3 * E * _F32), kernels=10)
     blk.expert_params += E * h
+    return weights
+
+
+def _moe(blk: _Block, h_in: str) -> None:
+    """router, expert_fc1, expert_act, expert_fc2 (the "bagualu" experts: grouped_mm split in
+    three), shared_expert."""
+    d, b = blk.dims, blk.b
+    h, E, inter = d.hidden_size, d.num_experts, d.moe_intermediate_size
+    local = E // blk.par.ep
+    weights = _router(blk, h_in)
+    bias = d.family == "gpt_oss"
 
     offsets = blk.tensor("experts.offsets", "expert_fc1", LinearForm(const=local), _I32, floating=False)
     blk.save("expert_fc1", offsets, blk.tensor("expert_fc1.token_index", "expert_fc1", blk.pair(1), _I64, floating=False))
+    if bias:  # per-pair bias rows are gathered by expert id, in fc1 and again in fc2
+        ids = blk.tensor("expert_fc1.expert_ids", "expert_fc1", blk.pair(1), _I64, floating=False)
+        blk.save("expert_fc1", ids)
+        blk.save("expert_fc2", ids)
     blk.save("expert_fc1", blk.tensor("expert_fc1.x", "expert_fc1", blk.pair(h), b))
     blk.tensor("fc1_out", "expert_fc1", blk.pair(2 * inter), b)
+    perm = blk.tensor("expert_fc1.pair_perm", "expert_fc1", blk.pair(1), _I64, floating=False)
     blk.op(
         "expert_fc1",
         (h_in, "topk_index"),
@@ -198,14 +243,17 @@ def _moe(blk: _Block, h_in: str) -> None:
         kernels=6,
     )
 
-    blk.save("expert_act", "fc1_out", blk.tensor("expert_act.silu", "expert_act", blk.pair(inter), b))
+    # SiLU gating keeps silu(gate); gpt-oss's clamped SwiGLU keeps four I-wide intermediates
+    blk.save("expert_act", "fc1_out")
+    for i in range(4 if d.family == "gpt_oss" else 1):
+        blk.save("expert_act", blk.tensor(f"expert_act.t{i}", "expert_act", blk.pair(inter), b))
     blk.tensor("act_out", "expert_act", blk.pair(inter), b)
     blk.op("expert_act", ("fc1_out",), blk.pair(5 * inter), blk.pair(4 * inter * b), kernels=2)
 
-    blk.save("expert_fc2", offsets, "act_out", blk.tensor("expert_fc2.y", "expert_fc2", blk.pair(h), b))
-    blk.save("expert_fc2", blk.tensor("expert_fc2.weights", "expert_fc2", blk.pair(1), _F32))
-    for name in ("pair_index", "combine_index"):
-        blk.save("expert_fc2", blk.tensor(f"expert_fc2.{name}", "expert_fc2", blk.pair(1), _I64, floating=False))
+    blk.save("expert_fc2", offsets, perm, "act_out")
+    blk.save("expert_fc2", blk.tensor("expert_fc2.inverse_perm", "expert_fc2", blk.pair(1), _I64, floating=False))
+    blk.save("expert_fc2", blk.tensor("expert_fc2.weights", "expert_fc2", blk.pair(1), weights))
+    blk.save("expert_fc2", blk.tensor("expert_fc2.y", "expert_fc2", blk.pair(h), b))
     blk.op(
         "expert_fc2",
         ("act_out", "topk_weights"),
@@ -254,7 +302,7 @@ def decoder_layer(dims: ModelDims, par: Parallel, hw: HardwareSpec, moe: bool) -
 def embedding(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
     """Token embedding (keeps the ids) and the RoPE tables every layer's attention keeps."""
     blk = _Block("embed", dims, par, hw)
-    rope = dims.head_dim if dims.mla is None else dims.mla.qk_rope_head_dim
+    rope = dims.rope_dim or (dims.head_dim if dims.mla is None else dims.mla.qk_rope_head_dim)
     blk.save("embed", blk.tensor("embed.ids", "embed", LinearForm(per_token=1), _I64, floating=False))
     blk.save("embed", blk.tensor("embed.cos", "embed", LinearForm(per_position=rope), blk.b))
     blk.save("embed", blk.tensor("embed.sin", "embed", LinearForm(per_position=rope), blk.b))

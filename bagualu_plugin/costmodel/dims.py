@@ -49,6 +49,13 @@ class ModelDims(_Strict):
     first_k_dense: int = Field(default=0, ge=0, description="leading layers with a dense MLP")
     dense_intermediate_size: int = Field(default=0, ge=0)
     qk_norm: bool = False
+    norm_topk_prob: bool = Field(default=False, description="top-k routing weights renormalised to sum 1")
+    partial_rotary: bool = Field(
+        default=False,
+        description="RoPE rotates part of each head and cat re-assembles q and k (GLM-4): attention's output "
+        "then lands head-major and the context needs its own copy",
+    )
+    rope_dim: int | None = Field(default=None, gt=0, description="columns of RoPE's cos/sin tables; None: head_dim")
     mla: MLADims | None = None
     dtype: DType = "bf16"
     attention: Literal["sdpa", "eager"] = Field(
@@ -120,13 +127,20 @@ class ModelDims(_Strict):
                 v_head_dim=get("v_head_dim"),
             )
         torch_dtype = str(get("dtype") or "float32").removeprefix("torch.")
+        rope = get("rope_parameters") or {}
+        head_dim = get("head_dim") or get("hidden_size") // heads
+        rotary = rope.get("partial_rotary_factor", 1.0)
+        rope_dim = {
+            "deepseek_v3": get("qk_rope_head_dim"),
+            "gpt_oss": head_dim // 2,  # its rotary embedding returns half-width tables
+        }.get(family, int(head_dim * rotary))
         return cls(
             family=family,
             hidden_size=get("hidden_size"),
             num_layers=get("num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=get("num_key_value_heads") or heads,
-            head_dim=get("head_dim") or get("hidden_size") // heads,
+            head_dim=head_dim,
             vocab_size=get("vocab_size"),
             num_experts=experts,
             top_k=get("num_experts_per_tok"),
@@ -135,6 +149,9 @@ class ModelDims(_Strict):
             first_k_dense=dense,
             dense_intermediate_size=get("intermediate_size") if dense else 0,
             qk_norm=family == "qwen3_moe" or bool(get("use_qk_norm", False)),
+            norm_topk_prob=family == "mixtral" or bool(get("norm_topk_prob", False)),
+            partial_rotary=rotary < 1,
+            rope_dim=rope_dim,
             mla=mla,
             dtype=dtype or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[torch_dtype],
             attention=attention or get("_attn_implementation") or "sdpa",

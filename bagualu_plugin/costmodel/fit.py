@@ -16,13 +16,16 @@ import numpy as np
 from .graph import INPUT, BlockGraph, OpSpec, TensorSpec
 from .linear import LinearForm, Load
 
-COEFFICIENTS = ("const", "per_token", "per_routed", "per_score", "per_position")
+COEFFICIENTS = ("const", "per_token", "per_routed", "per_score", "per_position", "per_sequence", "per_single", "per_single_token")
 _COLUMN = {
     "const": lambda load: 1.0,
     "per_token": lambda load: load.tokens,
     "per_routed": lambda load: load.routed,
     "per_score": lambda load: load.score_pairs,
     "per_position": lambda load: load.positions,
+    "per_sequence": lambda load: load.sequences,
+    "per_single": lambda load: load.single,
+    "per_single_token": lambda load: load.single_tokens,
 }
 
 
@@ -80,11 +83,12 @@ EXPERT_OPS = ("expert_fc1", "expert_act", "expert_fc2")
 
 def memory_basis(op: str, routed_independent: bool) -> list[str]:
     """Expert ops scale with routed pairs (and with tokens only where pairs vary on their own);
-    everything else with tokens, score pairs (attention) and positions (tables shared by the
-    sequences of a batch)."""
+    everything else with tokens, score pairs (attention), positions (tables shared by the
+    sequences of a batch), sequences and single-sequence tokens (kernels that keep a view for one
+    sequence)."""
     if op in EXPERT_OPS:
         return ["const", "per_token", "per_routed"] if routed_independent else ["const", "per_routed"]
-    return ["const", "per_token", "per_score", "per_position"]
+    return ["const", "per_token", "per_score", "per_position", "per_sequence", "per_single", "per_single_token"]
 
 
 def time_basis(op: str) -> list[str]:

@@ -7,7 +7,12 @@ elements) is a `LinearForm` over three load variables:
 - S, routed (token, expert) pairs landing on this device's experts (expert operators),
 - Q, attention score pairs, sum over sequences of L², i.e. T*L for sequences of length L
   (the quadratic term of eager attention),
-- L, positions of one sequence (tables shared by the sequences of a batch, e.g. RoPE's cos/sin).
+- L, positions of one sequence (tables shared by the sequences of a batch, e.g. RoPE's cos/sin),
+- N, sequences (per-sequence padding, e.g. the loss's shifted labels keep L + 1 per sequence),
+- 1₁ and T₁: 1 and the tokens of a micro-batch that is a single sequence (else 0): some
+  kernels keep a view for one sequence where several need a contiguous copy, so the saved
+  storage is larger then (DeepSeek-V3's eager attention keeps its whole key/value projection,
+  the loss keeps its padded labels).
 
 The same form serves an analytic model built from dimensions and a model fitted to profiles.
 """
@@ -25,6 +30,9 @@ class Load:
     routed: float
     score_pairs: float
     positions: float
+    sequences: float = 1.0
+    single: float = 0.0
+    single_tokens: float = 0.0
 
     @classmethod
     def of(cls, tokens: float, routed: float | None, seq_len: float | None, top_k: float) -> Load:
@@ -36,18 +44,25 @@ class Load:
         if seq_len is not None and (seq_len <= 0 or tokens % seq_len):
             raise ValueError(f"seq_len must be a positive divisor of tokens ({tokens}), got {seq_len}")
         length = tokens if seq_len is None else seq_len
-        return cls(tokens, tokens * top_k if routed is None else routed, tokens * length, length)
+        single = 1.0 if length == tokens else 0.0
+        sequences = tokens / length if length else 0
+        routed = tokens * top_k if routed is None else routed
+        return cls(tokens, routed, tokens * length, length, sequences, single, single * tokens)
 
 
 @dataclass(frozen=True)
 class LinearForm:
-    """const + per_token * T + per_routed * S + per_score * Q + per_position * L."""
+    """const + per_token * T + per_routed * S + per_score * Q + per_position * L
+    + per_sequence * N + per_single * 1₁ + per_single_token * T₁."""
 
     const: float = 0.0
     per_token: float = 0.0
     per_routed: float = 0.0
     per_score: float = 0.0
     per_position: float = 0.0
+    per_sequence: float = 0.0
+    per_single: float = 0.0
+    per_single_token: float = 0.0
 
     def at(self, load: Load) -> float:
         return (
@@ -56,6 +71,9 @@ class LinearForm:
             + self.per_routed * load.routed
             + self.per_score * load.score_pairs
             + self.per_position * load.positions
+            + self.per_sequence * load.sequences
+            + self.per_single * load.single
+            + self.per_single_token * load.single_tokens
         )
 
     def __add__(self, other: LinearForm) -> LinearForm:

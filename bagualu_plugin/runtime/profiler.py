@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -110,12 +110,32 @@ class _ForwardClock:
         self.order.pop()
 
 
+@contextmanager
+def _instrumented(adapter: Adapter, ep_size: int, ep_rank: int):
+    """The model as the plugin runs it: "bagualu" experts (fc1 / act / fc2), (emulated) expert
+    parallelism, op scopes and gate counts; everything is restored on exit."""
+    model = adapter.model
+    previous = adapter.config._experts_implementation
+    with ExitStack() as stack:
+        model.set_experts_implementation("bagualu")
+        stack.callback(model.set_experts_implementation, previous)
+        set_expert_parallel(adapter, ep_size, ep_rank)
+        stack.callback(set_expert_parallel, adapter, 1, 0)
+        tracker = OpTracker(adapter).install()
+        stack.callback(tracker.remove)
+        monitor = stack.enter_context(GateMonitor(adapter, ep_size=ep_size, ep_rank=ep_rank))
+        yield tracker, monitor
+
+
 def _check_token_counts(token_counts: Sequence[int], max_positions: int | None) -> list[int]:
     counts = list(token_counts)
     if not counts or any(isinstance(t, bool) or not isinstance(t, int) or t <= 0 for t in counts):
         raise ValueError(f"token_counts must be a non-empty list of positive integers, got {token_counts!r}")
-    if len(set(counts)) < 2:
-        raise ValueError(f"token_counts needs at least 2 different counts to fit a line, got {token_counts!r}")
+    if len(set(counts)) < 3 or any(t % 4 for t in counts):
+        raise ValueError(
+            "token_counts needs at least 3 different counts, each a multiple of 4 (each runs as 1, 2 "
+            f"and 4 sequences, so per-token, per-sequence and attention terms separate), got {token_counts!r}"
+        )
     if max_positions is not None and max(counts) > max_positions:
         raise ValueError(f"token_counts: {max(counts)} exceeds the model's max_position_embeddings ({max_positions})")
     return sorted(set(counts))
@@ -135,8 +155,9 @@ def profile(
 ) -> CostModel:
     """Measure `model` and return the `CostModel` that predicts it (DESIGN.md section 4).
 
-    Each token count T runs as one sequence of T tokens and, when T is even, as two of T/2, so the
-    attention's per-sequence term separates from the per-token one. Under (emulated) expert
+    Each token count T runs as 1, 2 and 4 sequences of T, T/2, T/4 tokens, so the per-sequence
+    terms (attention scores, shared tables, single-sequence views) separate from the per-token
+    ones. Under (emulated) expert
     parallelism each shape also runs with `skews` (fractions of routed pairs moved to local
     experts) so that local routed pairs vary on their own. Memory is exact per run; times are
     medians over `repeats` runs.
@@ -149,22 +170,14 @@ def profile(
     if ep_size > 1 and len(set(skews)) < 2:
         raise ValueError(f"skews needs at least 2 different fractions under expert parallelism, got {skews!r}")
     hw = preset(hardware) if isinstance(hardware, str) else hardware
-    shapes = [(1, t) for t in counts] + [(2, t // 2) for t in counts if t % 2 == 0]
+    shapes = [(b, t // b) for b in (1, 2, 4) for t in counts]
     runs = [(b, l, s) for b, l in shapes for s in (skews if ep_size > 1 else (0.0,))]
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     vocab = adapter.config.vocab_size
 
     samples: list[dict[int, BlockSample]] = []
-    previous = adapter.config._experts_implementation
-    with ExitStack() as stack:
-        model.set_experts_implementation("bagualu")
-        stack.callback(model.set_experts_implementation, previous)
-        set_expert_parallel(adapter, ep_size, ep_rank)
-        stack.callback(set_expert_parallel, adapter, 1, 0)
-        tracker = OpTracker(adapter).install()
-        stack.callback(tracker.remove)
-        monitor = stack.enter_context(GateMonitor(adapter, ep_size=ep_size, ep_rank=ep_rank))
+    with _instrumented(adapter, ep_size, ep_rank) as (tracker, monitor):
         for batch, seq_len, skew in tqdm(runs, desc="profiling", disable=not progress):
             ids = torch.randint(0, vocab, (batch, seq_len), generator=generator).to(device)
             with ExitStack() as run:
@@ -249,7 +262,9 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     blocks: dict[int, BlockSample] = {}
     for index in dict.fromkeys(op.layer for op in order):
         ops = tuple(op.name for op in order if op.layer == index)
-        load = Load(batch * seq_len, routed.get(index, 0), batch * seq_len * seq_len, seq_len)
+        tokens = batch * seq_len
+        single = batch == 1
+        load = Load(tokens, routed.get(index, 0), tokens * seq_len, seq_len, batch, float(single), tokens * single)
         blocks[index] = BlockSample(
             _kind(adapter, index),
             load,
@@ -286,3 +301,36 @@ def _fit(samples: list[dict[int, BlockSample]], adapter: Adapter, hw: HardwareSp
     params = _params(adapter)
     blocks = {index: fit_block([s[index] for s in samples], ep_size > 1, *params[index]) for index in samples[0]}
     return CostModel(blocks, hw, adapter.top_k / ep_size, name=adapter.family.model_type, source="profiled")
+
+
+def measure_micro_batch(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    ep_size: int = 1,
+    ep_rank: int = 0,
+    skew: float | None = None,
+    repeats: int = 3,
+) -> tuple[int, dict[int, int], float]:
+    """What one forward/backward micro-batch really costs, set up as `profile` runs the model:
+    (saved bytes at the end of forward, local routed pairs per MoE layer, median wall seconds of
+    forward + backward). `skew`: a `RoutingSkew` fraction (expert parallelism only)."""
+    adapter = Adapter(model)
+    model = adapter.model
+    with ExitStack() as stack:
+        _, monitor = stack.enter_context(_instrumented(adapter, ep_size, ep_rank))
+        if skew is not None:
+            stack.enter_context(RoutingSkew(adapter, skew, ep_size=ep_size, ep_rank=ep_rank))
+        ledger = Ledger.for_model(model)
+        with ledger.track():
+            loss = _forward(model, input_ids)
+        saved, routed = ledger.live_device_bytes, monitor.local_pairs()
+        loss.backward()
+        del loss
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            _forward(model, input_ids).backward()
+            seconds.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    return saved, routed, sorted(seconds)[len(seconds) // 2] if seconds else 0.0

@@ -1,0 +1,166 @@
+"""`bgl.profile` on real (tiny) HF MoE models: exact memory for loads it never saw."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import bagualu_plugin as bgl
+from bagualu_plugin.adapters import UnsupportedModelError, save_tiny, tiny_model
+from bagualu_plugin.costmodel import CostModel, LinearForm, Load, ModelDims
+from bagualu_plugin.costmodel.fit import BlockSample, TensorSample, fit_block, fit_linear
+from bagualu_plugin.runtime.profiler import measure_micro_batch
+
+
+def _ids(batch: int, seq_len: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, 128, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_model("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def qwen3_profile(qwen3):
+    return bgl.profile(qwen3, [32, 64, 128], repeats=1)
+
+
+@pytest.mark.parametrize("shape", [(3, 40), (1, 96), (5, 20)])
+def test_profile_predicts_unseen_shapes_exactly(qwen3, qwen3_profile, shape):
+    batch, seq_len = shape
+    saved, routed, _ = measure_micro_batch(qwen3, _ids(batch, seq_len), repeats=0)
+    predicted = qwen3_profile.activation_bytes(batch * seq_len, routed=[routed[i] for i in qwen3_profile.moe_layers], seq_len=seq_len)
+    assert predicted == saved
+
+
+def test_profile_under_expert_parallelism_predicts_unseen_skews():
+    model = tiny_model("glm4_moe", dtype=torch.bfloat16)
+    cm = bgl.profile(model, [32, 64, 128], ep_size=4, ep_rank=2, skews=(0.0, 0.5), repeats=1)
+    assert cm.pairs_per_token == 2 / 4
+    results = []
+    for skew in (0.2, 0.9):
+        saved, routed, _ = measure_micro_batch(model, _ids(2, 48), ep_size=4, ep_rank=2, skew=skew, repeats=0)
+        pairs = [routed[i] for i in cm.moe_layers]
+        assert cm.activation_bytes(96, routed=pairs, seq_len=48) == saved
+        results.append((pairs, saved))
+    assert results[1][0] > results[0][0] and results[1][1] > results[0][1]  # the skew moved pairs here
+
+
+def test_profiled_graph_names_ops_and_tensors(qwen3_profile):
+    block = qwen3_profile.blocks[1]
+    assert block.kind == "moe"
+    assert block.op_names == ("attn_norm", "attn_qkv", "attn_core", "attn_out", "mlp_norm", "router", "expert_fc1", "expert_act", "expert_fc2")
+    owners = {block.owner(t) for t in block.tensors}
+    assert {"expert_fc1", "expert_act", "expert_fc2", "router", "attn_core"} <= owners
+    # expert tensors grow with routed pairs only, the others with tokens
+    for t in block.tensors:
+        if block.owner(t) in ("expert_act",):
+            assert t.elements.per_routed > 0 and t.elements.per_token == 0
+    assert qwen3_profile.source == "profiled" and qwen3_profile.name == "qwen3_moe"
+    dense, expert = qwen3_profile.parameter_counts()
+    model_params = sum(p.numel() for p in tiny_model("qwen3_moe").parameters())
+    assert dense + expert == model_params
+
+
+def test_profile_agrees_with_the_analytic_model(qwen3, qwen3_profile):
+    analytic = CostModel.from_config(ModelDims.from_hf_config(qwen3.config, dtype="fp32", attention="sdpa"), "cpu")
+    for tokens, seq_len in ((300, 100), (64, 64)):
+        assert analytic.activation_bytes(tokens, seq_len=seq_len) == pytest.approx(
+            qwen3_profile.activation_bytes(tokens, seq_len=seq_len), rel=1e-4
+        )
+
+
+def test_profile_round_trips_through_json(qwen3_profile, tmp_path):
+    qwen3_profile.save(tmp_path / "cost.json")
+    back = CostModel.load(tmp_path / "cost.json")
+    assert back.activation_bytes(200, seq_len=50) == qwen3_profile.activation_bytes(200, seq_len=50)
+    assert back.micro_batch(200, seq_len=50) == qwen3_profile.micro_batch(200, seq_len=50)
+
+
+def test_profile_restores_the_model(qwen3):
+    before = qwen3.config._experts_implementation
+    bgl.profile(qwen3, [16, 32, 64], repeats=1)
+    assert qwen3.config._experts_implementation == before
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in qwen3.modules())
+    assert all(p.grad is None for p in qwen3.parameters())
+
+
+@pytest.mark.parametrize(
+    "counts, message",
+    [
+        ([], "non-empty"),
+        ([64, -1, 32], "positive"),
+        ([64, 64, 32], "at least 3"),
+        ([16, 32, 50], "multiple of 4"),
+        ([True, 64, 32], "positive"),
+        ([64, 32, 10**6], "max_position"),
+    ],
+)
+def test_bad_token_counts(qwen3, counts, message):
+    with pytest.raises(ValueError, match=message):
+        bgl.profile(qwen3, counts)
+
+
+def test_unsupported_model():
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(UnsupportedModelError, match="'llama'.*supported: deepseek_v3, glm4_moe, gpt_oss"):
+        bgl.profile(llama, [16, 32, 64])
+    with pytest.raises(UnsupportedModelError, match="llama"):
+        bgl.list_ops(llama)
+
+
+def test_list_ops(qwen3):
+    ops = bgl.list_ops(qwen3)
+    assert ops[0] == bgl.OpId(-1, "embed") and ops[-1] == bgl.OpId(3, "loss")
+    assert bgl.OpId(0, "dense_mlp") in ops and bgl.OpId(1, "expert_fc1") in ops and bgl.OpId(1, "dense_mlp") not in ops
+
+
+def test_fit_linear_is_exact_and_rejects_underdetermined_loads():
+    loads = [Load(t, 2 * t, t * t, t) for t in (10, 20, 40)]
+    form = fit_linear(loads, [3 + 5 * t for t in (10, 20, 40)], ["const", "per_token"])
+    assert form == LinearForm(const=pytest.approx(3), per_token=pytest.approx(5))
+    with pytest.raises(ValueError, match="do not determine"):
+        fit_linear(loads, [1, 2, 3], ["per_token", "per_routed"])  # routed = 2 * tokens: collinear
+    with pytest.raises(ValueError, match="unknown coefficients"):
+        fit_linear(loads, [1, 2, 3], ["per_bogus"])
+
+
+def test_fit_block_rejects_graphs_that_depend_on_the_input():
+    loads = [Load.of(t, 0, t // b, top_k=2) for t in (16, 32, 64) for b in (1, 2, 4)]
+
+    def sample(load, tensors):
+        return BlockSample("moe", load, ("a", "b"), tuple(tensors), {"a": 1e-3}, {"a": 2e-3})
+
+    t = lambda savers, n: TensorSample("a", savers, 4, True, n)  # noqa: E731
+    ok = [sample(x, [t(("a",), 4 * x.tokens), t(("b",), 8 * x.tokens + 4 * x.score_pairs)]) for x in loads]
+    graph = fit_block(ok, routed_independent=False)
+    assert [x.elements for x in graph.tensors] == [LinearForm(per_token=1), LinearForm(per_token=2, per_score=1)]
+    assert graph.op("b").inputs == ("a.1",)  # b saves what a made
+    assert graph.op("a").forward_s.at(loads[0]) == pytest.approx(1e-3)
+    odd = ok[:-1] + [sample(loads[-1], [t(("a",), 64)])]
+    with pytest.raises(ValueError, match="some profiled runs only"):
+        fit_block(odd, routed_independent=False)
+
+
+def test_cli_profile(tmp_path):
+    model_dir = save_tiny("mixtral", tmp_path / "mixtral")
+    out = tmp_path / "cost.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "bagualu_plugin.cli", "profile", "--model", str(model_dir), "--tokens", "32,64,128", "--out", str(out), "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        env={"HF_HUB_OFFLINE": "1", "PATH": ""},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "expert_fc1" in done.stdout and "saved for backward" in done.stdout
+    cm = CostModel.load(out)
+    assert cm.source == "profiled" and cm.moe_layers == [0, 1]
+    bad = subprocess.run(
+        [sys.executable, "-m", "bagualu_plugin.cli", "profile", "--model", str(tmp_path / "none"), "--tokens", "32,64", "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "--model" in bad.stderr
