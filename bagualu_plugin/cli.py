@@ -154,12 +154,22 @@ def _op_rows(stage: Stage) -> list[dict]:
         if (kind, cost.op.name) in seen:
             continue
         seen.add((kind, cost.op.name))
+        unit = cm.recompute_unit(cost.op)
         mit = {
-            s: cm.mitigation_cost(OpId(cost.op.layer, cost.op.name), s, stage.tokens, seq_len=seq, options=stage.options)
+            s: cm.mitigation_cost(unit if s == "recompute" else cost.op, s, stage.tokens, seq_len=seq, options=stage.options)
             for s in MITIGATIONS
+            if s != "recompute" or unit
         }
-        rows.append({"op": cost.op, "kind": kind, "cost": cost, "mitigation": mit})
+        rows.append({"op": cost.op, "kind": kind, "cost": cost, "mitigation": mit, "unit": unit})
     return rows
+
+
+def _cell(r: dict, strategy: str) -> str:
+    m = r["mitigation"].get(strategy)
+    if m is None:
+        return "n/a"
+    mark = "*" if strategy == "recompute" and len(r["unit"]) > 1 else ""
+    return f"{fmt_bytes(m.bytes_saved)} / {fmt_seconds(m.forward_s + m.backward_s)}{mark}"
 
 
 def _as_text(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], title: str) -> str:
@@ -186,9 +196,15 @@ def _as_text(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], ti
         label = f"{r['kind']}.{c.op.name}"
         body.append(
             [label, fmt_seconds(c.forward_s), fmt_seconds(c.backward_s), fmt_bytes(c.saved_bytes)]
-            + [f"{fmt_bytes(m.bytes_saved)} / {fmt_seconds(m.forward_s + m.backward_s)}" for m in r["mitigation"].values()]
+            + [_cell(r, s) for s in MITIGATIONS]
         )
-    out += [table(headers, body), ""]
+    out += [
+        table(headers, body),
+        "* recomputed only as a whole with "
+        + ", ".join(sorted({"+".join(o.name for o in r["unit"]) for r in rows if len(r["unit"]) > 1}))
+        + " (RoPE and the kernel run inside HF's attention forward); n/a: HF glue code, not replayable",
+        "",
+    ]
     out.append(
         f"micro-batch: Δt_f {fmt_seconds(mb.forward_s)}, Δt_b {fmt_seconds(mb.backward_s)}, "
         f"Δm {fmt_bytes(mb.activation_bytes)}; M0 (full recompute) {fmt_bytes(stage.min_budget)}"
@@ -222,6 +238,7 @@ def _as_json(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], im
                 "forward_s": r["cost"].forward_s,
                 "backward_s": r["cost"].backward_s,
                 "saved_bytes": r["cost"].saved_bytes,
+                "recompute_unit": [o.name for o in r["unit"]],
                 "mitigation": {
                     s: {"bytes_saved": m.bytes_saved, "forward_s": m.forward_s, "backward_s": m.backward_s}
                     for s, m in r["mitigation"].items()

@@ -152,7 +152,11 @@ def _align(samples: Sequence[BlockSample]) -> list[list[TensorSample]]:
 
 
 def fit_block(
-    samples: Sequence[BlockSample], routed_independent: bool, dense_params: int = 0, expert_params: int = 0
+    samples: Sequence[BlockSample],
+    routed_independent: bool,
+    dense_params: int = 0,
+    expert_params: int = 0,
+    units: tuple[tuple[str, ...], ...] = (),
 ) -> BlockGraph:
     """A `BlockGraph` whose tensor sizes reproduce every sample exactly (or an error saying which
     tensor does not) and whose op times are least-squares fits."""
@@ -186,4 +190,4 @@ def fit_block(
         )
         for op in first.ops
     )
-    return BlockGraph(first.kind, ops, tuple(tensors), dense_params, expert_params)
+    return BlockGraph(first.kind, ops, tuple(tensors), dense_params, expert_params, units)

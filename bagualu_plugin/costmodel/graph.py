@@ -33,6 +33,28 @@ INPUT = "input"  # producer of a block's input: the previous block's output
 BlockKind = Literal["embed", "dense", "moe", "head"]
 
 
+ATTENTION_OPS = ("attn_qkv", "attn_core", "attn_out")
+MOE_OPS = ("router", "expert_fc1", "expert_act", "expert_fc2", "shared_expert")
+
+
+def standard_units(kind: str, ops: tuple[str, ...], shared_alone: bool = True) -> tuple[tuple[str, ...], ...]:
+    """What a runtime can recompute in HF models (checkpoint regions): the whole decoder layer, its
+    MoE block or dense MLP, attention only as a whole (RoPE and the kernel run inside the
+    attention module's own forward), and each op that is a module or function of its own. The
+    shared expert is alone only where the family has no glue around it (Qwen2-MoE scales it
+    by a sigmoid gate in the MoE block's forward)."""
+    if kind == "embed":
+        return (("embed",),)
+    if kind == "head":
+        return (("final_norm",), ("lm_head",))
+    alone = {"attn_norm", "mlp_norm", "router", "expert_fc1", "expert_act", "expert_fc2", "dense_mlp"}
+    if shared_alone:
+        alone.add("shared_expert")
+    units = [ops, tuple(o for o in ops if o in ATTENTION_OPS), tuple(o for o in ops if o in MOE_OPS)]
+    units += [(o,) for o in ops if o in alone]
+    return tuple(dict.fromkeys(u for u in units if u))
+
+
 @dataclass(frozen=True, order=True)
 class OpId:
     """One operator of the model: block index (-1 embedding, num_layers the head) and op name."""
@@ -77,6 +99,7 @@ class BlockGraph:
     tensors: tuple[TensorSpec, ...]
     dense_params: int = 0  # parameters on this device, replicated over data parallel
     expert_params: int = 0  # parameters of this device's experts, replicated over dp * tp / ep
+    units: tuple[tuple[str, ...], ...] = ()  # recompute units; () = the whole block or any op alone
 
     def __post_init__(self) -> None:
         names = [op.name for op in self.ops]
@@ -92,6 +115,15 @@ class BlockGraph:
         for op in self.ops:
             if set(op.inputs) - tensors:
                 raise ValueError(f"op {op.name!r} reads unknown tensors {sorted(set(op.inputs) - tensors)}")
+        for unit in self.units:
+            if set(unit) - set(names):
+                raise ValueError(f"recompute unit {unit} names ops this {self.kind} block lacks")
+
+    @property
+    def recompute_units(self) -> tuple[tuple[str, ...], ...]:
+        """Op runs that can be replayed in backward, largest first."""
+        units = self.units or (self.op_names, *((name,) for name in self.op_names))
+        return tuple(sorted(units, key=len, reverse=True))
 
     def op(self, name: str) -> OpSpec:
         for op in self.ops:

@@ -3,9 +3,10 @@
 Strategies act on the tensors an operator saves for backward:
 
 - keep: the saver holds the tensor on the device;
-- recompute: consecutive recomputed operators form one checkpoint region; tensors produced inside
-  the region are dropped and the region's inputs are held, and in backward the region's forward
-  runs again (Δt_b grows by its Δt_f);
+- recompute: the recomputed operators are covered by the block's recompute units (the whole layer,
+  its MoE block, attention as a whole, single ops), largest first; each unit is one checkpoint
+  region: tensors produced inside it are dropped, its inputs are held, and in backward its
+  forward runs again (Δt_b grows by its Δt_f);
 - offload: the saver's copy lives on the host; one copy out in forward, one back in backward;
   tensors below `offload_min_bytes` stay on the device;
 - fp8: the saver holds an e4m3 copy with one FP32 scale per block, cast in forward and back in
@@ -57,17 +58,17 @@ class Footprint:
 
 
 def recompute_regions(block: BlockGraph, plan: Mapping[str, str]) -> list[tuple[str, ...]]:
-    """Maximal runs of consecutive recomputed ops, in program order."""
+    """The checkpoint regions that realise the plan's recomputed ops: recompute units, largest
+    first. An op that no unit covers on its own is an error that names the units to use."""
+    wanted = {op for op, strategy in plan.items() if strategy == "recompute"}
     regions: list[tuple[str, ...]] = []
-    run: list[str] = []
-    for op in block.ops:
-        if plan.get(op.name, "keep") == "recompute":
-            run.append(op.name)
-        elif run:
-            regions.append(tuple(run))
-            run = []
-    if run:
-        regions.append(tuple(run))
+    for unit in block.recompute_units:
+        if set(unit) <= wanted:
+            regions.append(unit)
+            wanted -= set(unit)
+    if wanted:
+        units = ", ".join("+".join(u) for u in block.recompute_units if set(u) & wanted)
+        raise ValueError(f"{block.kind} block: {sorted(wanted)} cannot be recomputed alone; recompute units: {units}")
     return regions
 
 

@@ -40,7 +40,7 @@ class OpCost:
 class MitigationCost:
     """What applying one strategy to one op changes, relative to a base plan (§IV-B)."""
 
-    op: OpId
+    op: OpId | tuple[OpId, ...]
     strategy: str
     bytes_saved: float
     forward_s: float  # added to the forward micro-batch
@@ -184,7 +184,7 @@ class CostModel:
 
     def mitigation_cost(
         self,
-        op: OpId,
+        op: OpId | Sequence[OpId],
         strategy: str,
         tokens: int,
         routed: Routed = None,
@@ -192,26 +192,41 @@ class CostModel:
         base: Mapping[OpId, str] | None = None,
         options: MitigationOptions = MitigationOptions(),
     ) -> MitigationCost:
-        """Bytes saved and time added by setting `op` to `strategy` on top of `base` (all keep)."""
-        if op.layer not in self.blocks:
-            raise KeyError(f"no block {op.layer} in this model; it has {list(self.blocks)}")
-        self.blocks[op.layer].op(op.name)
-        base = dict(base or {})
-        block, load = self.blocks[op.layer], self.loads(tokens, routed, seq_len)[op.layer]
-        plans = self._split(base)[op.layer]
+        """Bytes saved and time added by setting `op` (or several ops of one block, e.g. a
+        recompute unit) to `strategy` on top of `base` (default: everything kept)."""
+        ops = [op] if isinstance(op, OpId) else list(op)
+        layers = {o.layer for o in ops}
+        if len(layers) != 1 or not layers <= set(self.blocks):
+            raise KeyError(f"ops {[str(o) for o in ops]} must name one block of this model ({list(self.blocks)})")
+        (layer,) = layers
+        block = self.blocks[layer]
+        for o in ops:
+            block.op(o.name)
+        load = self.loads(tokens, routed, seq_len)[layer]
+        plans = self._split(base)[layer]
         before = footprint(block, plans, load, self.hardware, options)
-        after = footprint(block, {**plans, op.name: strategy}, load, self.hardware, options)
+        after = footprint(block, {**plans, **{o.name: strategy for o in ops}}, load, self.hardware, options)
         return MitigationCost(
-            op,
+            ops[0] if len(ops) == 1 else tuple(ops),
             strategy,
             before.device_bytes - after.device_bytes,
             after.forward_extra_s - before.forward_extra_s,
             after.backward_extra_s - before.backward_extra_s,
         )
 
+    def recompute_unit(self, op: OpId) -> list[OpId]:
+        """The smallest run of ops that can be recomputed together with `op` (None of it if none)."""
+        units = [u for u in self.blocks[op.layer].recompute_units if op.name in u]
+        return [OpId(op.layer, name) for name in min(units, key=len)] if units else []
+
     def full_recompute(self) -> dict[OpId, str]:
-        """Every op recomputed: each block keeps only its input (the paper's M0 plan)."""
-        return dict.fromkeys(self.ops(), "recompute")
+        """Every op that can be recomputed, recomputed: a decoder layer then keeps only its input
+        (the paper's M0 plan); the LM head's loss, glue code in HF models, keeps its tensors."""
+        return {
+            OpId(i, name): "recompute"
+            for i, b in self.blocks.items()
+            for name in dict.fromkeys(n for unit in b.recompute_units for n in unit)
+        }
 
     # pipeline stages and static memory ---------------------------------------------------------
     def stage(self, pp: int, rank: int) -> CostModel:
@@ -263,6 +278,7 @@ class CostModel:
                     "kind": b.kind,
                     "dense_params": b.dense_params,
                     "expert_params": b.expert_params,
+                    "units": [list(u) for u in b.units],
                     "ops": [
                         {"name": o.name, "inputs": list(o.inputs), "forward_s": o.forward_s.to_dict(), "backward_s": o.backward_s.to_dict()}
                         for o in b.ops
@@ -287,7 +303,8 @@ class CostModel:
                 TensorSpec(**{**t, "savers": tuple(t["savers"]), "elements": LinearForm.from_dict(t["elements"])})
                 for t in b["tensors"]
             )
-            blocks[b["index"]] = BlockGraph(b["kind"], ops, tensors, b["dense_params"], b["expert_params"])
+            units = tuple(tuple(u) for u in b["units"])
+            blocks[b["index"]] = BlockGraph(b["kind"], ops, tensors, b["dense_params"], b["expert_params"], units)
         hw = HardwareSpec.model_validate(data["hardware"], strict=False)
         return cls(blocks, hw, data["pairs_per_token"], data["name"], data["source"])
 

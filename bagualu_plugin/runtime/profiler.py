@@ -23,7 +23,7 @@ from ..adapters import Adapter, OpTracker
 from ..adapters.experts import set_expert_parallel
 from ..adapters.gate import GateMonitor, RoutingSkew
 from ..costmodel.fit import BlockSample, TensorSample, fit_block
-from ..costmodel.graph import INPUT, OpId
+from ..costmodel.graph import INPUT, OpId, standard_units
 from ..costmodel.linear import Load
 from ..costmodel.model import CostModel
 from ..hardware import HardwareSpec, preset
@@ -299,7 +299,11 @@ def _fit(samples: list[dict[int, BlockSample]], adapter: Adapter, hw: HardwareSp
     """One graph per block. Under emulated expert parallelism this process stands for one rank
     and routes only its own tokens, so balanced routing puts T * top_k / ep pairs on its experts."""
     params = _params(adapter)
-    blocks = {index: fit_block([s[index] for s in samples], ep_size > 1, *params[index]) for index in samples[0]}
+    shared_alone = len(adapter.family.shared) <= 1
+    blocks = {}
+    for index, first in samples[0].items():
+        units = standard_units(first.kind, first.ops, shared_alone)
+        blocks[index] = fit_block([s[index] for s in samples], ep_size > 1, *params[index], units)
     return CostModel(blocks, hw, adapter.top_k / ep_size, name=adapter.family.model_type, source="profiled")
 
 

@@ -1,0 +1,46 @@
+"""Blockwise FP8 / int8 quantisation of saved activations: Triton kernels and torch references.
+
+The "fp8" mitigation (paper §IV-B) stores a saved activation as a `Quantized` (one byte per element
+plus one FP32 scale per block) and restores it before backward. `quantize` / `dequantize` run the
+Triton kernels on CUDA tensors when triton imports, and the torch reference elsewhere; both give
+the same bits. `triton_quant` is imported only then, because triton chooses between compiling and
+interpreting (TRITON_INTERPRET=1) when a kernel is defined, not when it runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import reference
+from .reference import FORMATS, Quantized, check_block_size
+
+__all__ = ["FORMATS", "Quantized", "dequantize", "quantize", "stored_nbytes"]
+
+
+def _backend(tensor: object):
+    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+        from . import triton_quant
+
+        if triton_quant.HAVE_TRITON:
+            return triton_quant
+    return reference
+
+
+def quantize(x: torch.Tensor, block_size: int = 128, fmt: str = "fp8_e4m3") -> Quantized:
+    """Quantise `x` (fp32, bf16 or fp16, any shape and strides) in blocks of `block_size` elements
+    to `fmt` ("fp8_e4m3" or "int8")."""
+    return _backend(x).quantize(x, block_size, fmt)
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    """The tensor `q` was quantised from, in its dtype and shape, up to the format's rounding."""
+    return _backend(q.payload if isinstance(q, Quantized) else None).dequantize(q)
+
+
+def stored_nbytes(numel: int, block_size: int) -> int:
+    """Bytes of a stored `Quantized` of `numel` elements in either format: one byte per element
+    plus one FP32 scale per block (the cost model's `fp8_stored_bytes`)."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    check_block_size(block_size)
+    return numel + 4 * -(-numel // block_size)

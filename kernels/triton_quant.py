@@ -1,0 +1,109 @@
+"""Triton kernels for blockwise quantisation of saved activations (paper §IV-B): the quantize in
+forward and the dequantize before backward are memory-bound casts, so each is one pass over the
+tensor in one launch, with results bit-identical to `reference` on a GPU.
+
+One program handles ROWS consecutive blocks as a [ROWS, block_size] tile (ROWS * block_size =
+TILE elements, or one block when block_size > TILE); masks cover the partial last block and the
+rows past the end. Bit-exactness rests on using only correctly rounded fp32 operations:
+`div_rn` (Triton's `/` is an approximate division on NVIDIA GPUs), a round-half-to-even built from
+`floor` (libdevice `rint` does not run in the interpreter), clamps before the casts, and the
+e4m3 cast, which rounds to nearest even on the GPU. Under TRITON_INTERPRET=1 that cast is wrong
+for some values (DESIGN.md section 5); the int8 path is exact there too.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .reference import QMAX, STORAGE, Quantized, check_args, check_quantized
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional dependency: the package falls back to the torch reference
+    triton = None
+HAVE_TRITON = triton is not None
+
+TILE = 4096  # elements per program: enough bytes in flight per launch, few programs in the interpreter
+
+
+def _require_triton(device: torch.device) -> None:
+    if not HAVE_TRITON:
+        raise ImportError("the Triton kernels need `triton` (pip install 'bagualu-plugin[triton]')")
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"the Triton kernels run on CUDA tensors, got a tensor on {device}; set TRITON_INTERPRET=1 "
+            "before importing triton to run them on CPU"
+        )
+
+
+def _launch_shape(n: int, block_size: int) -> tuple[int, int]:
+    """(blocks per program, number of programs)."""
+    rows = max(1, TILE // block_size)
+    return rows, triton.cdiv(triton.cdiv(n, block_size), rows)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _round_half_even(v):
+        f = tl.floor(v)
+        d = v - f  # exact for |v| < 2**23
+        odd = (f.to(tl.int32) & 1) == 1
+        return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+    @triton.jit
+    def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, n_blocks, QMAX: tl.constexpr, INT8: tl.constexpr,
+                         BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), tl.full((ROWS,), QMAX, tl.float32))
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        tl.store(s_ptr + rows, scale, mask=rows < n_blocks)
+        v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (ROWS, BLOCK)))
+        v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+        if INT8:
+            q = _round_half_even(v).to(tl.int8)
+        else:
+            q = v.to(tl.float8e4nv)
+        tl.store(q_ptr + offs, q, mask=mask)
+
+    @triton.jit
+    def _dequantize_kernel(q_ptr, s_ptr, y_ptr, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = offs < n
+        scale = tl.load(s_ptr + rows, mask=rows * BLOCK < n)
+        y = tl.load(q_ptr + offs, mask=mask).to(tl.float32) * scale[:, None]
+        tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize(x: torch.Tensor, block_size: int = 128, fmt: str = "fp8_e4m3") -> Quantized:
+    """Triton version of `reference.quantize` (same arguments, same result)."""
+    check_args(x, block_size, fmt)
+    _require_triton(x.device)
+    flat = x.contiguous().view(-1)
+    n = flat.numel()
+    payload = torch.empty(n, dtype=STORAGE[fmt], device=x.device)
+    scales = torch.empty(-(-n // block_size), dtype=torch.float32, device=x.device)
+    if n:
+        rows, programs = _launch_shape(n, block_size)
+        _quantize_kernel[(programs,)](flat, payload, scales, n, scales.numel(), QMAX=QMAX[fmt],
+                                      INT8=fmt == "int8", BLOCK=block_size, ROWS=rows)
+    return Quantized(payload, scales, x.shape, x.dtype, block_size, fmt)
+
+
+def dequantize(q: Quantized) -> torch.Tensor:
+    """Triton version of `reference.dequantize`."""
+    check_quantized(q)
+    _require_triton(q.payload.device)
+    n = q.payload.numel()
+    out = torch.empty(n, dtype=q.dtype, device=q.payload.device)
+    if n:
+        rows, programs = _launch_shape(n, q.block_size)
+        _dequantize_kernel[(programs,)](q.payload, q.scales, out, n, BLOCK=q.block_size, ROWS=rows)
+    return out.view(q.shape)
