@@ -8,12 +8,14 @@ the "bagualu" experts implementation with transformers, so
 from .adapters import list_ops
 from .config import Recipe, RecipeError, load_recipe
 from .costmodel import CostModel, ModelDims, OpId, Parallel
+from .costmodel.plan import Plan
 from .hardware import HardwareSpec
+from .runtime.mitigation import apply_plan, find_conflicts
 from .runtime.profiler import profile
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CostModel", "HardwareSpec", "ModelDims", "OpId", "Parallel", "Recipe", "RecipeError", "list_ops",
-    "load_recipe", "profile",
+    "CostModel", "HardwareSpec", "ModelDims", "OpId", "Parallel", "Plan", "Recipe", "RecipeError",
+    "apply_plan", "find_conflicts", "list_ops", "load_recipe", "profile",
 ]

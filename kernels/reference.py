@@ -7,9 +7,9 @@ inside its own block (per-tensor scales gave ~5e-2 gradient error, DESIGN.md sec
 bytes are one per element plus four per block, the cost model's `fp8_stored_bytes`.
 
 Scale convention: where amax / QMAX is zero (an all-zero block, or an FP32 amax below ~1e-43 whose
-quotient underflows) the scale is 1.0, so the block stores zeros and dequantises to zeros (an
-all-zero block exactly, signs of zeros kept). Inputs must be finite: an inf or NaN makes its block's
-scale non-finite and the block's output undefined; no check is made, it would need a device sync.
+quotient underflows) the scale is 1.0, so the block stores zeros and dequantises to zeros. Inputs
+must be finite: an inf or NaN makes its block's scale non-finite and the block's output undefined;
+no check is made, it would need a device sync.
 
 Every step is an IEEE-rounded fp32 operation (true divisions by tensors, not multiplications by a
 reciprocal, which torch uses on CUDA for a Python-scalar divisor), so the Triton kernels can match

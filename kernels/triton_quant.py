@@ -8,12 +8,11 @@ rows past the end. Bit-exactness rests on using only correctly rounded fp32 oper
 `div_rn` (Triton's `/` is an approximate division on NVIDIA GPUs), a round-half-to-even built from
 `floor` (libdevice `rint` does not run in the interpreter), clamps before the casts, and the
 e4m3 cast, which rounds to nearest even on the GPU. Under TRITON_INTERPRET=1 that cast is wrong
-for some values (DESIGN.md section 5); the int8 path is exact there too.
+for some values (DESIGN.md section 5) and fp32 -> bf16 truncates; int8 payloads, scales and fp32 /
+fp16 outputs are bit-exact there too.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -25,6 +24,8 @@ try:
 except ImportError:  # optional dependency: the package falls back to the torch reference
     triton = None
 HAVE_TRITON = triton is not None
+# triton compiles or interprets a kernel depending on TRITON_INTERPRET when the kernel is defined.
+INTERPRETED = HAVE_TRITON and triton.knobs.runtime.interpret
 
 TILE = 4096  # elements per program: enough bytes in flight per launch, few programs in the interpreter
 
@@ -32,17 +33,19 @@ TILE = 4096  # elements per program: enough bytes in flight per launch, few prog
 def _require_triton(device: torch.device) -> None:
     if not HAVE_TRITON:
         raise ImportError("the Triton kernels need `triton` (pip install 'bagualu-plugin[triton]')")
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not INTERPRETED:
         raise RuntimeError(
-            f"the Triton kernels run on CUDA tensors, got a tensor on {device}; set TRITON_INTERPRET=1 "
-            "before importing triton to run them on CPU"
+            f"the Triton kernels run on CUDA tensors, got a tensor on {device}; to run them on CPU set "
+            "TRITON_INTERPRET=1 before bagualu_plugin.kernels.triton_quant is imported"
         )
 
 
-def _launch_shape(n: int, block_size: int) -> tuple[int, int]:
-    """(blocks per program, number of programs)."""
+def _launch(n: int, block_size: int) -> tuple[tuple[int], dict]:
+    """Grid and tile of a launch over `n` elements; warps grow with the tile (one block can exceed
+    TILE), keeping ~256 elements per thread at most. Not tuned on hardware yet."""
     rows = max(1, TILE // block_size)
-    return rows, triton.cdiv(triton.cdiv(n, block_size), rows)
+    grid = (triton.cdiv(triton.cdiv(n, block_size), rows),)
+    return grid, dict(BLOCK=block_size, ROWS=rows, num_warps=max(4, min(16, rows * block_size // 1024)))
 
 
 if HAVE_TRITON:
@@ -91,9 +94,8 @@ def quantize(x: torch.Tensor, block_size: int = 128, fmt: str = "fp8_e4m3") -> Q
     payload = torch.empty(n, dtype=STORAGE[fmt], device=x.device)
     scales = torch.empty(-(-n // block_size), dtype=torch.float32, device=x.device)
     if n:
-        rows, programs = _launch_shape(n, block_size)
-        _quantize_kernel[(programs,)](flat, payload, scales, n, scales.numel(), QMAX=QMAX[fmt],
-                                      INT8=fmt == "int8", BLOCK=block_size, ROWS=rows)
+        grid, meta = _launch(n, block_size)
+        _quantize_kernel[grid](flat, payload, scales, n, scales.numel(), QMAX=QMAX[fmt], INT8=fmt == "int8", **meta)
     return Quantized(payload, scales, x.shape, x.dtype, block_size, fmt)
 
 
@@ -104,6 +106,6 @@ def dequantize(q: Quantized) -> torch.Tensor:
     n = q.payload.numel()
     out = torch.empty(n, dtype=q.dtype, device=q.payload.device)
     if n:
-        rows, programs = _launch_shape(n, q.block_size)
-        _dequantize_kernel[(programs,)](q.payload, q.scales, out, n, BLOCK=q.block_size, ROWS=rows)
+        grid, meta = _launch(n, q.block_size)
+        _dequantize_kernel[grid](q.payload, q.scales, out, n, **meta)
     return out.view(q.shape)

@@ -201,8 +201,9 @@ def test_offload_of_one_op():
 
 def test_offload_minimum_size_keeps_small_tensors():
     fp = footprint(_block(), {"c": "offload"}, LOAD, _hw(), MitigationOptions(offload_min_bytes=FULL))
-    # z (400 kB) goes, i (8 kB) stays; y stays because b keeps it on the device (case 2 of §V-A)
-    assert fp.host_bytes == 2 * FULL
+    # z (400 kB) goes, i (8 kB) stays; y stays on the device because b keeps it there, so c's
+    # offload of y buys nothing and copies nothing (case 2 of §V-A)
+    assert fp.host_bytes == FULL
     assert fp.device_bytes == 4 * FULL + 10 * T * 8 - FULL
 
 
@@ -211,8 +212,10 @@ def test_fp8_of_one_op_stores_payload_plus_block_scales():
     fp = footprint(_block(), {"b": "fp8"}, LOAD, hw, MitigationOptions(fp8_block_size=128))
     elements = 1000 * T
     stored = elements + 4 * math.ceil(elements / 128)
-    # y: b wants FP8 but c keeps FP32, so both copies live (case 1 of §V-A)
-    assert fp.device_bytes == 4 * FULL + 10 * T * 8 + stored
+    # y: b wants FP8 but c keeps FP32: the runtime keeps the one FP32 copy for both (case 1 of
+    # §V-A), so b's FP8 buys nothing and costs nothing
+    assert fp.device_bytes == 4 * FULL + 10 * T * 8
+    assert fp.forward_extra_s == 0
     fp = footprint(_block(), {"b": "fp8", "c": "fp8"}, LOAD, hw, MitigationOptions(fp8_block_size=128))
     # y and z in FP8; i is an integer tensor and stays
     assert fp.device_bytes == 2 * FULL + 2 * stored + 10 * T * 8
@@ -320,8 +323,11 @@ def test_full_recompute_keeps_one_block_input_per_layer():
     # every decoder layer holds its input (T x H bf16); the embedding nothing; the head's final
     # norm and LM head hold their inputs (two T x H bf16) and the loss its FP32 log-probabilities
     # (T x vocab) and int64 targets: HF computes the loss outside any module
-    head = 2 * 100 * 64 * 2 + 100 * 128 * 4 + 100 * 8
-    assert m0 == dims.num_layers * 100 * 64 * 2 + head
+    head = 2 * 100 * 64 * 2 + 100 * 128 * 4 + 100 * 8 + 4
+    # the embedding's checkpoint holds the token ids; RoPE's cos/sin stay (shared by every
+    # layer); the layers' checkpoints hold the position ids
+    embed = 100 * 8 + 2 * 100 * 16 * 2 + 100 * 8
+    assert m0 == dims.num_layers * 100 * 64 * 2 + head + embed
     assert m0 < cm.activation_bytes(100) / 5
 
 
@@ -339,8 +345,8 @@ def test_tensor_parallel_splits_per_token_terms():
     two = CostModel.from_config(dims, preset("h100"), Parallel(dp=2, tp=2, ep=1))
     # with no routed pairs, every remaining per-token term is split by tp (ids and RoPE excepted)
     a1, a2 = one.activation_bytes(1000, routed=0), two.activation_bytes(1000, routed=0)
-    emb = sum(t.bytes(Load(1000, 0, 1e6, 1000)) for t in one.blocks[-1].tensors)
-    unsplit = emb + 1000 * 8 + 4 * 8 * 4  # + loss targets + int32 offsets of 8 experts x 4 layers
+    emb = sum(t.bytes(Load(1000, 0, 1e6, 1000)) for t in one.blocks[-1].tensors if not t.held_by)
+    unsplit = emb + 1000 * 8 + 4 + 4 * 8 * 4  # + loss targets and divisor + int32 offsets of 8 experts x 4 layers
     assert a2 == pytest.approx((a1 - unsplit) / 2 + unsplit)
     assert two.pairs_per_token == 1.0  # top_k / tp: sequence-parallel tokens are split too
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ..costmodel.graph import EMBED_OPS, HEAD_OPS, LAYER_OPS, OpId
 from . import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen2_moe, qwen3_moe
@@ -118,6 +119,13 @@ class Adapter:
         for layer in self.layers:
             ops += [OpId(layer.index, n) for n in self.layer_ops(layer)]
         return ops + [OpId(self.head_index, n) for n in HEAD_OPS]
+
+
+def shared_arguments(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a decoder layer receives besides its hidden states (RoPE tables, masks): every
+    layer gets the same ones, so mitigating them in one layer saves nothing."""
+    rest = [*args[1:], *(v for k, v in kwargs.items() if k != "hidden_states")]
+    return [t for t in tree_leaves(rest) if isinstance(t, torch.Tensor)]
 
 
 def list_ops(model: nn.Module) -> list[OpId]:

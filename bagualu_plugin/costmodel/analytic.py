@@ -42,8 +42,20 @@ class _Block:
     def score(self, x: float) -> LinearForm:
         return LinearForm(per_score=x / self.par.tp)
 
-    def tensor(self, name: str, producer: str, elements: LinearForm, dtype_bytes: int, floating: bool = True) -> str:
-        self.tensors[name] = dict(producer=producer, savers=[], elements=elements, dtype_bytes=dtype_bytes, floating=floating)
+    def tensor(
+        self,
+        name: str,
+        producer: str,
+        elements: LinearForm,
+        dtype_bytes: int,
+        floating: bool = True,
+        shared: bool = False,
+        held_by: tuple[int, ...] = (),
+    ) -> str:
+        self.tensors[name] = dict(
+            producer=producer, savers=[], elements=elements, dtype_bytes=dtype_bytes, floating=floating, shared=shared,
+            held_by=held_by,
+        )
         return name
 
     def save(self, op: str, *names: str) -> None:
@@ -68,7 +80,9 @@ class _Block:
 
     def build(self) -> BlockGraph:
         tensors = tuple(
-            TensorSpec(n, t["producer"], tuple(t["savers"]), t["elements"], t["dtype_bytes"], t["floating"])
+            TensorSpec(
+                n, t["producer"], tuple(t["savers"]), t["elements"], t["dtype_bytes"], t["floating"], t["shared"], t["held_by"]
+            )
             for n, t in self.tensors.items()
         )
         ops = tuple(op.name for op in self.ops)
@@ -225,6 +239,9 @@ def _moe(blk: _Block, h_in: str) -> None:
     d, b = blk.dims, blk.b
     h, E, inter = d.hidden_size, d.num_experts, d.moe_intermediate_size
     local = E // blk.par.ep
+    shared = d.shared_expert_intermediate_size > 0
+    if shared and d.family == "qwen2_moe":  # Qwen2-MoE runs its shared expert before the router
+        _shared_expert(blk, h_in)
     weights = _router(blk, h_in)
     bias = d.family == "gpt_oss"
 
@@ -264,21 +281,25 @@ def _moe(blk: _Block, h_in: str) -> None:
         kernels=5,
     )
     blk.expert_params += local * 3 * h * inter
+    if shared and d.family != "qwen2_moe":
+        _shared_expert(blk, h_in)
 
-    if d.shared_expert_intermediate_size:
-        si = d.shared_expert_intermediate_size
-        blk.gated_mlp("shared_expert", h_in, si, h)
-        if d.family == "qwen2_moe":  # sigmoid(shared_expert_gate(x)) * shared_expert(x)
-            blk.save("shared_expert", blk.tensor("shared_expert.gate_sig", "shared_expert", blk.tok(1), b))
-            blk.save("shared_expert", blk.tensor("shared_expert.out", "shared_expert", blk.tok(h), b))
-            blk.dense_params += h
-        blk.op(
-            "shared_expert",
-            (h_in,),
-            blk.tok(6 * h * si),
-            LinearForm(const=3 * h * si * b / blk.par.tp) + blk.tok((2 * h + 5 * si) * b),
-            kernels=5,
-        )
+def _shared_expert(blk: _Block, h_in: str) -> None:
+    """The shared expert: a gated MLP on every token; Qwen2-MoE scales it by sigmoid(gate(x))."""
+    d, b, h = blk.dims, blk.b, blk.dims.hidden_size
+    si = d.shared_expert_intermediate_size
+    blk.gated_mlp("shared_expert", h_in, si, h)
+    if d.family == "qwen2_moe":
+        blk.save("shared_expert", blk.tensor("shared_expert.gate_sig", "shared_expert", blk.tok(1), b))
+        blk.save("shared_expert", blk.tensor("shared_expert.out", "shared_expert", blk.tok(h), b))
+        blk.dense_params += h
+    blk.op(
+        "shared_expert",
+        (h_in,),
+        blk.tok(6 * h * si),
+        LinearForm(const=3 * h * si * b / blk.par.tp) + blk.tok((2 * h + 5 * si) * b),
+        kernels=5,
+    )
 
 
 def decoder_layer(dims: ModelDims, par: Parallel, hw: HardwareSpec, moe: bool) -> BlockGraph:
@@ -302,14 +323,24 @@ def decoder_layer(dims: ModelDims, par: Parallel, hw: HardwareSpec, moe: bool) -
 
 
 def embedding(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
-    """Token embedding (keeps the ids) and the RoPE tables every layer's attention keeps."""
+    """Token embedding (keeps the ids) and the RoPE tables every layer's attention keeps (shared
+    by all layers, so no plan of one layer's ops mitigates them)."""
     blk = _Block("embed", dims, par, hw)
     rope = dims.rope_dim or (dims.head_dim if dims.mla is None else dims.mla.qk_rope_head_dim)
-    blk.save("embed", blk.tensor("embed.ids", "embed", LinearForm(per_token=1), _I64, floating=False))
-    blk.save("embed", blk.tensor("embed.cos", "embed", LinearForm(per_position=rope), blk.b))
-    blk.save("embed", blk.tensor("embed.sin", "embed", LinearForm(per_position=rope), blk.b))
+    blk.save("embed", blk.tensor("embed.ids", INPUT, LinearForm(per_token=1), _I64, floating=False))
+    blk.save("embed", blk.tensor("embed.cos", "embed", LinearForm(per_position=rope), blk.b, shared=True))
+    blk.save("embed", blk.tensor("embed.sin", "embed", LinearForm(per_position=rope), blk.b, shared=True))
+    # what every layer receives and nothing saves, held by a layer's recompute region that takes
+    # it: the position ids, and under eager attention a (B, 1, L, L) mask per attention kind
+    layers = tuple(range(dims.num_layers))
+    blk.tensor("embed.position_ids", "embed", LinearForm(per_position=1), _I64, floating=False, held_by=layers)
+    if dims.attention == "eager":
+        kinds = dims.layer_types or ("",) * dims.num_layers
+        for kind in dict.fromkeys(kinds):
+            users = tuple(i for i in layers if kinds[i] == kind)
+            blk.tensor(f"embed.mask{'.' + kind if kind else ''}", "embed", LinearForm(per_score=1), blk.b, held_by=users)
     h = dims.hidden_size
-    blk.op("embed", (), LinearForm(), LinearForm(per_token=(h + 2 * rope) * blk.b + _I64), kernels=4)
+    blk.op("embed", ("embed.ids",), LinearForm(), LinearForm(per_token=(h + 2 * rope) * blk.b + _I64), kernels=4)
     blk.dense_params += dims.vocab_size * h // par.tp
     return blk.build()
 
@@ -326,6 +357,7 @@ def lm_head(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
     blk.op("lm_head", ("final_norm.out",), blk.tok(2 * h * v), LinearForm(const=h * v * blk.b / par.tp) + blk.tok((h + v) * blk.b), kernels=2)
     blk.save("loss", blk.tensor("loss.logprobs", "loss", blk.tok(v), _F32))
     blk.save("loss", blk.tensor("loss.targets", "loss", LinearForm(per_token=1), _I64, floating=False))
+    blk.save("loss", blk.tensor("loss.divisor", "loss", LinearForm(const=1), _F32))  # the mean's token count
     blk.op("loss", ("logits",), blk.tok(5 * v), blk.tok(v * (blk.b + 3 * _F32)), kernels=6)
     blk.dense_params += h + v * h // par.tp
     return blk.build()

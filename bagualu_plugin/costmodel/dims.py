@@ -56,6 +56,9 @@ class ModelDims(_Strict):
         "then lands head-major and the context needs its own copy",
     )
     rope_dim: int | None = Field(default=None, gt=0, description="columns of RoPE's cos/sin tables; None: head_dim")
+    layer_types: tuple[str, ...] = Field(
+        default=(), description="attention kind per layer where they differ (gpt-oss: sliding / full), each with its own mask"
+    )
     mla: MLADims | None = None
     dtype: DType = "bf16"
     attention: Literal["sdpa", "eager"] = Field(
@@ -152,6 +155,7 @@ class ModelDims(_Strict):
             norm_topk_prob=family == "mixtral" or bool(get("norm_topk_prob", False)),
             partial_rotary=rotary < 1,
             rope_dim=rope_dim,
+            layer_types=tuple(get("layer_types") or ()) if family == "gpt_oss" else (),
             mla=mla,
             dtype=dtype or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[torch_dtype],
             attention=attention or get("_attn_implementation") or "sdpa",

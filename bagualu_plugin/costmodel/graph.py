@@ -79,6 +79,9 @@ class TensorSpec:
     elements: LinearForm
     dtype_bytes: int
     floating: bool = True  # integer tensors (routing indices) cannot be stored in FP8
+    shared: bool = False  # handed to every layer (RoPE tables): kept as it is, whatever the plan
+    held_by: tuple[int, ...] = ()  # a layer argument nothing saves (position ids, masks): held only
+    # by recompute regions of these layers that take it (attention, the whole layer)
 
     def bytes(self, load: Load) -> float:
         return self.elements.at(load) * self.dtype_bytes

@@ -12,19 +12,20 @@ Strategies act on the tensors an operator saves for backward:
 - fp8: the saver holds an e4m3 copy with one FP32 scale per block, cast in forward and back in
   backward; integer tensors stay as they are.
 
-Memory is counted per storage: a tensor costs device bytes if any holder keeps it at full precision
-on the device, plus one FP8 copy if any holder stores FP8, and host bytes if any holder offloads.
-So inconsistent holders of one tensor (the conflicts of §V-A) cost what they really cost.
+Memory is counted per storage, as the runtime keeps it: one form per storage. If any holder keeps it
+at full precision on the device, that copy serves every holder, and offload or FP8 requested by
+another holder buys nothing (the conflicts of §V-A: such a candidate saves no memory); otherwise
+the first holder in program order that offloads or quantises decides the form for all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from ..hardware import HardwareSpec
-from .graph import BlockGraph
+from .graph import BlockGraph, TensorSpec
 from .linear import Load
 from .roofline import cast_kernel, fp8_stored_bytes, offload_copy
 
@@ -37,6 +38,7 @@ MITIGATIONS: tuple[str, ...] = STRATEGIES[1:]
 class MitigationOptions:
     fp8_block_size: int = 128
     offload_min_bytes: int = 0
+    quant_format: str = "fp8_e4m3"  # or "int8": same bytes, one byte per element plus block scales
 
 
 @dataclass(frozen=True)
@@ -57,19 +59,48 @@ class Footprint:
         )
 
 
-def recompute_regions(block: BlockGraph, plan: Mapping[str, str]) -> list[tuple[str, ...]]:
-    """The checkpoint regions that realise the plan's recomputed ops: recompute units, largest
-    first. An op that no unit covers on its own is an error that names the units to use."""
-    wanted = {op for op, strategy in plan.items() if strategy == "recompute"}
-    regions: list[tuple[str, ...]] = []
-    for unit in block.recompute_units:
+def cover(units: Sequence[tuple[str, ...]], wanted: set[str], kind: str) -> list[tuple[str, ...]]:
+    """The recompute units, largest first, that together recompute exactly `wanted`; an op that
+    no unit covers on its own is an error that names the units to use."""
+    wanted, regions = set(wanted), []
+    for unit in sorted(units, key=len, reverse=True):
         if set(unit) <= wanted:
             regions.append(unit)
             wanted -= set(unit)
     if wanted:
-        units = ", ".join("+".join(u) for u in block.recompute_units if set(u) & wanted)
-        raise ValueError(f"{block.kind} block: {sorted(wanted)} cannot be recomputed alone; recompute units: {units}")
+        options = ", ".join("+".join(u) for u in units if set(u) & wanted)
+        raise ValueError(f"{kind} block: {sorted(wanted)} cannot be recomputed alone; recompute units: {options or 'none'}")
     return regions
+
+
+def recompute_regions(block: BlockGraph, plan: Mapping[str, str]) -> list[tuple[str, ...]]:
+    """The checkpoint regions that realise the plan's recomputed ops in `block`."""
+    return cover(block.recompute_units, {op for op, s in plan.items() if s == "recompute"}, block.kind)
+
+
+def stored_form(
+    tensor: TensorSpec,
+    plan: Mapping[str, str],
+    region_of: Mapping[str, frozenset[str]],
+    size: float,
+    options: MitigationOptions,
+) -> str | None:
+    """How the runtime keeps one saved storage: "device" (full precision), "fp8", "offload", or
+    None when every saver recomputes it."""
+    if tensor.shared:
+        return "device"
+    device, other = False, None
+    for saver in tensor.savers:
+        strategy = plan.get(saver, "keep")
+        if strategy == "recompute":
+            device |= tensor.producer not in region_of[saver]  # a region input is held as it is
+        elif strategy == "offload" and size >= options.offload_min_bytes:
+            other = other or "offload"
+        elif strategy == "fp8" and tensor.floating:
+            other = other or "fp8"
+        else:
+            device = True
+    return "device" if device else other
 
 
 def footprint(
@@ -100,26 +131,20 @@ def footprint(
     copy, cast = offload_copy(hw), cast_kernel(hw)
     device = host = fwd = bwd = 0.0
     for t in block.tensors:
+        if t.held_by:  # counted by the model: whether a region holds it is decided in other blocks
+            continue
         size = t.bytes(load)
-        on_device = t.name in held
-        fp8 = offload = False
-        for saver in t.savers:
-            strategy = plan.get(saver, "keep")
-            if strategy == "recompute":
-                on_device |= t.producer not in region_of[saver]
-            elif strategy == "offload" and size >= options.offload_min_bytes:
-                offload = True
-            elif strategy == "fp8" and t.floating:
-                fp8 = True
-            else:
-                on_device = True
-        device += size if on_device else 0.0
-        if fp8:
+        form = stored_form(t, plan, region_of, size, options)
+        if t.name in held:
+            form = "device"
+        if form == "device":
+            device += size
+        elif form == "fp8":
             stored = fp8_stored_bytes(t.elements.at(load), options.fp8_block_size)
             device += stored
             fwd += cast.time(size + stored)
             bwd += cast.time(size + stored)
-        if offload:
+        elif form == "offload":
             host += size
             fwd += copy.time(size)
             bwd += copy.time(size)

@@ -19,7 +19,7 @@ from . import analytic
 from .dims import ModelDims, Parallel
 from .graph import BlockGraph, OpId, OpSpec, TensorSpec
 from .linear import LinearForm, Load
-from .mitigation import Footprint, MitigationOptions, footprint
+from .mitigation import Footprint, MitigationOptions, footprint, recompute_regions
 from .pipeline import MicroBatchCost
 
 FORMAT = "bagualu-costmodel/1"
@@ -141,7 +141,16 @@ class CostModel:
         total = Footprint()
         for i, block in self.blocks.items():
             total += footprint(block, plans[i], loads[i], self.hardware, options)
-        return total
+        # layer arguments held by recompute regions that take them (attention or the whole layer)
+        holding = {
+            i
+            for i, block in self.blocks.items()
+            if any("attn_core" in region for region in recompute_regions(block, plans[i]))
+        }
+        held = sum(
+            t.bytes(loads[i]) for i, block in self.blocks.items() for t in block.tensors if set(t.held_by) & holding
+        )
+        return total + Footprint(device_bytes=held)
 
     def activation_bytes(
         self,
@@ -283,7 +292,10 @@ class CostModel:
                         {"name": o.name, "inputs": list(o.inputs), "forward_s": o.forward_s.to_dict(), "backward_s": o.backward_s.to_dict()}
                         for o in b.ops
                     ],
-                    "tensors": [{**asdict(t), "savers": list(t.savers), "elements": t.elements.to_dict()} for t in b.tensors],
+                    "tensors": [
+                        {**asdict(t), "savers": list(t.savers), "held_by": list(t.held_by), "elements": t.elements.to_dict()}
+                        for t in b.tensors
+                    ],
                 }
                 for i, b in self.blocks.items()
             ],
@@ -300,7 +312,9 @@ class CostModel:
                 for o in b["ops"]
             )
             tensors = tuple(
-                TensorSpec(**{**t, "savers": tuple(t["savers"]), "elements": LinearForm.from_dict(t["elements"])})
+                TensorSpec(
+                    **{**t, "savers": tuple(t["savers"]), "held_by": tuple(t["held_by"]), "elements": LinearForm.from_dict(t["elements"])}
+                )
                 for t in b["tensors"]
             )
             units = tuple(tuple(u) for u in b["units"])

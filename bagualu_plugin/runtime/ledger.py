@@ -136,35 +136,43 @@ class Ledger:
 
     @contextlib.contextmanager
     def track(self) -> Iterator[Ledger]:
-        """Record every tensor saved for backward inside the block.
+        """Record every tensor saved for backward inside the block (`pack` / `unpack` below).
 
-        The pack hook keeps a detached alias (same storage, same values): keeping the tensor itself
-        would tie a saved output to its own grad_fn in a cycle the garbage collector cannot break
-        (torch's saved_tensors_hooks docs), and the alias dies exactly when the graph drops it,
-        whoever else still holds the original. torch skips its in-place modification check for
-        hooked saved tensors, so unpack repeats it: tracking must never change gradients.
         Innermost hooks win: inside offload/fp8/checkpoint hooks those record for themselves.
         """
         self._excluded = self._exclusion_keys()  # parameters may have moved since __init__
-
-        def pack(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-            alias = tensor.detach()
-            off_device = alias.device.type == "cpu" and self.device.type != "cpu"
-            self.record(alias, "host" if off_device else "device")
-            return alias, alias._version
-
-        def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
-            alias, version = packed
-            if alias._version != version:
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an "
-                    f"inplace operation: a {alias.dtype} tensor of shape {tuple(alias.shape)} was saved "
-                    f"at version {version} and is now at version {alias._version}"
-                )
-            return alias
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield self
+
+    def pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Keep `tensor` for backward as it is, and count it.
+
+        The pack keeps a detached alias (same storage, same values): keeping the tensor itself
+        would tie a saved output to its own grad_fn in a cycle the garbage collector cannot break
+        (torch's saved_tensors_hooks docs), and the alias dies exactly when the graph drops it,
+        whoever else still holds the original. torch skips its in-place modification check for
+        hooked saved tensors, so `unpack` repeats it: tracking must never change gradients.
+        """
+        alias = tensor.detach()
+        off_device = alias.device.type == "cpu" and self.device.type != "cpu"
+        self.record(alias, "host" if off_device else "device")
+        return alias, alias._version
+
+    @staticmethod
+    def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        alias, version = packed
+        if alias._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: a {alias.dtype} tensor of shape {tuple(alias.shape)} was saved "
+                f"at version {version} and is now at version {alias._version}"
+            )
+        return alias
+
+    def excludes(self, tensor: torch.Tensor) -> bool:
+        """True for the storage of a parameter or buffer (static memory, never counted here)."""
+        found = _storage(tensor)
+        return found is not None and found[0] in self._excluded
 
     def record(self, tensor: torch.Tensor, residency: Residency = "device") -> None:
         """Charge the storage of ``tensor`` until every recorded tensor object of it is finalized.

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from tqdm.auto import tqdm
 
-from ..adapters import Adapter, OpTracker
+from ..adapters import Adapter, OpTracker, shared_arguments
 from ..adapters.experts import set_expert_parallel
 from ..adapters.gate import GateMonitor, RoutingSkew
 from ..costmodel.fit import BlockSample, TensorSample, fit_block
@@ -197,11 +197,14 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     provenance = _Provenance(tracker)
     ledger = Ledger.for_model(model, current_op=lambda: tracker.current, source=provenance.source)
     held: dict[int, tuple[int, torch.Tensor]] = {}  # block input storages, by block
+    shared: dict[int, torch.Tensor] = {}  # storages every layer receives (RoPE tables, masks),
+    # kept alive for the pass so that no later tensor can take their addresses
 
     def block_input(index):
         def hook(_module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
             held.setdefault(index, (_ptr(x), x))
+            shared.update((_ptr(t), t) for t in shared_arguments(args, kwargs))
 
         return hook
 
@@ -251,7 +254,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
         producer = r.source.name if r.source is not None and r.source.layer == op.layer else (INPUT if r.source else op.name)
         savers = tuple(dict.fromkeys(s.name for s in r.savers if s.layer == op.layer))
         tensors.setdefault(op.layer, []).append(
-            TensorSample(producer, savers, r.dtype.itemsize, r.dtype.is_floating_point, r.nbytes)
+            TensorSample(producer, savers, r.dtype.itemsize, r.dtype.is_floating_point, r.nbytes, r.key[1] in shared)
         )
     saved = {r.key[1] for r in records}
     for index, (ptr, tensor) in held.items():

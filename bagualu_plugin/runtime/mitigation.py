@@ -1,0 +1,410 @@
+"""Per-operator mitigation of saved activations, installed for the forward passes inside
+`apply_plan` (paper §IV-B, §V-A; DESIGN.md section 4).
+
+- keep: the Ledger's pack (a detached alias, counted on the device);
+- offload: a copy of the saved tensor's whole storage on the host (pinned, copied on a side stream
+  on CUDA; a separate host buffer on CPU), restored as the same view in backward;
+- fp8: the storage quantised blockwise (`bagualu_plugin.kernels`), dequantised in backward;
+- recompute: the op's recompute unit (`costmodel.graph.standard_units`) runs under a non-reentrant
+  checkpoint: a module's forward, or an expert op through the experts' runner.
+
+One storage has one form, whoever saves it: savers share a host copy or a quantised payload, and
+when one saver keeps the storage on the device every other saver uses that copy, so mitigation
+never leaves two copies (the conflicts of §V-A cost nothing but save nothing; `find_conflicts`
+reports them so a planner can avoid them).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from .. import kernels
+from ..adapters import Adapter, OpTracker, shared_arguments
+from ..adapters.experts import IMPLEMENTATION, RUNNER_ATTR
+from ..costmodel import CostModel, ModelDims, OpId
+from ..costmodel.graph import standard_units
+from ..costmodel.mitigation import MitigationOptions, cover
+from ..costmodel.plan import Plan
+from .ledger import Ledger, StorageKey, _storage
+
+# ------------------------------------------------------------------------------------------------
+# one storage, kept in one form
+
+
+class _Stored:
+    """A device storage kept elsewhere, shared by every saver of it. `restore()` gives the whole
+    storage back on the device as a flat tensor of the saved dtype (reused while alive, so two
+    savers unpacking it in backward share one copy)."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.dtype, self.device, self.numel = flat.dtype, flat.device, flat.numel()
+        self.on_device: torch.Tensor | None = None  # set when a keeping saver makes this moot
+        self._restored: Callable[[], torch.Tensor | None] = lambda: None
+
+    def restore(self) -> torch.Tensor:
+        if self.on_device is not None:
+            return self.on_device
+        flat = self._restored()
+        if flat is None:
+            flat = self._load()
+            self._restored = weakref.ref(flat)
+        return flat
+
+    def drop(self, flat: torch.Tensor) -> None:
+        """Another saver keeps the storage on the device: serve that copy, free ours."""
+        self.on_device = flat
+        self._release()
+
+
+class _HostCopy(_Stored):
+    def __init__(self, flat: torch.Tensor, ledger: Ledger):
+        super().__init__(flat)
+        cuda = flat.is_cuda
+        self.host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=cuda)
+        if cuda:  # copy out on a side stream; backward waits for it
+            stream = torch.cuda.Stream(flat.device)
+            stream.wait_stream(torch.cuda.current_stream(flat.device))
+            with torch.cuda.stream(stream):
+                self.host.copy_(flat, non_blocking=True)
+                flat.record_stream(stream)
+            self.copied = stream.record_event()
+        else:
+            self.host.copy_(flat)
+        ledger.record(self.host, "host")
+
+    def _load(self) -> torch.Tensor:
+        if self.device.type == "cuda":
+            self.copied.wait()
+            return self.host.to(self.device, non_blocking=True)
+        return self.host.clone()
+
+    def _release(self) -> None:
+        self.host = None
+
+
+class _Quantized(_Stored):
+    def __init__(self, flat: torch.Tensor, ledger: Ledger, block_size: int, fmt: str):
+        super().__init__(flat)
+        self.q = kernels.quantize(flat, block_size, fmt)
+        ledger.record(self.q.payload)
+        ledger.record(self.q.scales)
+
+    def _load(self) -> torch.Tensor:
+        return kernels.dequantize(self.q)
+
+    def _release(self) -> None:
+        self.q = None
+
+
+@dataclass(frozen=True)
+class _View:
+    """Where a saved tensor sits in its storage, to rebuild it over a restored flat copy."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    version: int
+    source: weakref.ref
+
+    def of(self, flat: torch.Tensor) -> torch.Tensor:
+        saved = self.source()
+        if saved is not None and saved._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a {flat.dtype} tensor of shape {self.size} was saved at version {self.version} "
+                f"and is now at version {saved._version}"
+            )
+        return flat.as_strided(self.size, self.stride, self.offset)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's whole storage as a 1-D tensor of its dtype (views keep all of it alive)."""
+    storage = tensor.untyped_storage()
+    return tensor.new_empty(0).set_(storage, 0, (storage.nbytes() // tensor.element_size(),), (1,))
+
+
+class SavedTensorHooks:
+    """pack/unpack for `torch.autograd.graph.saved_tensors_hooks`: each saved tensor is kept,
+    offloaded or quantised as the plan says for the op running when it is saved."""
+
+    def __init__(self, plan: Plan, ledger: Ledger, current_op: Callable[[], OpId | None], options: MitigationOptions):
+        self.plan, self.ledger, self.current_op, self.options = plan, ledger, current_op, options
+        self._forms: dict[StorageKey, tuple[str, object]] = {}  # live storages this plan has packed
+
+    def layer_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A decoder layer's forward pre-hook: what every layer receives (RoPE tables, masks) is
+        kept as it is, as the cost model assumes (`TensorSpec.shared`)."""
+        for t in shared_arguments(args, kwargs):
+            found = _storage(t)
+            if found is not None and found[0] not in self._forms:
+                self._remember(t, found[0], "keep", None)
+
+    def pack(self, tensor: torch.Tensor):
+        op = self.current_op()
+        strategy = self.plan.strategy(op) if op is not None else "keep"
+        found = _storage(tensor)
+        if found is None or strategy in ("keep", "recompute") or self.ledger.excludes(tensor):
+            return self._keep(tensor, found)  # recompute: a held region input; parameters stay
+        key, nbytes = found
+        if strategy == "offload" and nbytes < self.options.offload_min_bytes:
+            return self._keep(tensor, found)
+        if strategy == "fp8" and not tensor.is_floating_point():
+            return self._keep(tensor, found)
+        form, stored = self._forms.get(key, (None, None))
+        if form == "keep":  # another saver keeps it on the device: share that copy
+            return "keep", self.ledger.pack(tensor)
+        if stored is None:
+            flat = _flat(tensor)
+            if strategy == "offload":
+                stored = _HostCopy(flat, self.ledger)
+            else:
+                stored = _Quantized(flat, self.ledger, self.options.fp8_block_size, self.options.quant_format)
+            # While the base tensor object lives, so does its storage: no other storage can take
+            # its address. (The saved object itself may be a temporary view autograd made.)
+            self._remember(tensor._base if tensor._base is not None else tensor, key, strategy, stored)
+        view = _View(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor._version, weakref.ref(tensor))
+        return "stored", (stored, view)
+
+    def _keep(self, tensor: torch.Tensor, found):
+        packed = self.ledger.pack(tensor)
+        if found is not None:
+            key = found[0]
+            form, stored = self._forms.get(key, (None, None))
+            if isinstance(stored, _Stored) and stored.on_device is None:
+                stored.drop(_flat(tensor))  # a keeping saver makes the earlier copy moot
+            if form != "keep":
+                self._remember(packed[0], key, "keep", None)  # the alias lives as long as the graph keeps it
+        return "keep", packed
+
+    def _remember(self, owner: torch.Tensor, key: StorageKey, form: str, stored: object) -> None:
+        """Remember the storage's form until `owner` dies (while it lives, the storage lives)."""
+        token = (form, stored)
+        self._forms[key] = token
+
+        def forget():
+            if self._forms.get(key) is token:
+                del self._forms[key]
+
+        weakref.finalize(owner, forget).atexit = False
+
+    def unpack(self, packed):
+        kind, payload = packed
+        if kind == "keep":
+            return self.ledger.unpack(payload)
+        stored, view = payload
+        return view.of(stored.restore())
+
+
+# ------------------------------------------------------------------------------------------------
+# recompute units
+
+
+def _unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Module | None:
+    """The module whose forward is exactly `unit`; None for the expert ops (run by the runner)."""
+    if layer == -1:
+        return adapter.decoder.embed_tokens
+    if layer == adapter.head_index:
+        return adapter.decoder.norm if unit == ("final_norm",) else adapter.model.lm_head
+    part = adapter.layers[layer]
+    if set(unit) == set(adapter.layer_ops(part)):
+        return part.module
+    if unit[0] in ("attn_qkv", "attn_core", "attn_out"):
+        return part.module.self_attn
+    single = {
+        "attn_norm": part.module.input_layernorm,
+        "mlp_norm": part.module.post_attention_layernorm,
+        "router": part.router,
+        "dense_mlp": part.module.mlp,
+        "shared_expert": part.shared[0] if part.shared else None,
+    }
+    if len(unit) == 1 and unit[0] in single:
+        return single[unit[0]]
+    if len(unit) == 1 and unit[0].startswith("expert_"):
+        return None
+    return part.module.mlp  # the MoE block: router, experts, shared expert
+
+
+def block_units(adapter: Adapter, layer: int) -> tuple[tuple[str, ...], ...]:
+    if layer == -1:
+        return standard_units("embed", ("embed",))
+    if layer == adapter.head_index:
+        return standard_units("head", ("final_norm", "lm_head", "loss"))
+    part = adapter.layers[layer]
+    kind = "moe" if part.moe else "dense"
+    return standard_units(kind, tuple(adapter.layer_ops(part)), shared_alone=len(adapter.family.shared) <= 1)
+
+
+@contextmanager
+def _bagualu_experts(config) -> Iterator[None]:
+    """The "bagualu" experts implementation for the duration of the block: the one a checkpoint
+    recorded with, also when it recomputes after `apply_plan` has restored the model's own."""
+    previous = config._experts_implementation_internal
+    config._experts_implementation_internal = IMPLEMENTATION
+    try:
+        yield
+    finally:
+        config._experts_implementation_internal = previous
+
+
+def _checkpointed(module: nn.Module, stack: ExitStack, config) -> None:
+    """Run `module`'s forward under a non-reentrant checkpoint (restored on exit).
+
+    Every tensor the forward receives, keyword arguments and tuples (RoPE tables) included, is
+    handed to the checkpoint positionally: the checkpoint saves its positional tensors for
+    backward, where the Ledger sees them, and would hold the rest unseen. The recomputation in
+    backward runs the experts as the forward did, even after `apply_plan` has exited.
+    """
+    had, previous = "forward" in module.__dict__, module.__dict__.get("forward")
+    forward = module.forward
+
+    def recomputed(*args, **kwargs):
+        if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "past_key_value")):
+            raise ValueError(
+                f"{type(module).__name__} is recomputed but received a KV cache, which recomputation would "
+                "update twice; train with use_cache=False"
+            )
+        leaves, spec = tree_flatten((args, kwargs))
+        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+        def run(*tensors):
+            filled = list(leaves)
+            for i, t in zip(where, tensors):
+                filled[i] = t
+            a, kw = tree_unflatten(filled, spec)
+            with _bagualu_experts(config):
+                return forward(*a, **kw)
+
+        return checkpoint(run, *(leaves[i] for i in where), use_reentrant=False)
+
+    module.forward = recomputed
+
+    def restore():
+        if had:
+            module.forward = previous
+        else:
+            del module.forward
+
+    stack.callback(restore)
+
+
+def _runner(recomputed: set[str]):
+    def run(name, op, experts, *args, **kwargs):
+        if name in recomputed:
+            return checkpoint(op, experts, *args, use_reentrant=False, **kwargs)
+        return op(experts, *args, **kwargs)
+
+    return run
+
+
+# ------------------------------------------------------------------------------------------------
+# the public entry points
+
+
+def _validated(adapter: Adapter, plan: Mapping) -> Plan:
+    plan = plan if isinstance(plan, Plan) else Plan(plan)
+    known = set(adapter.ops())
+    unknown = [str(op) for op in plan if op not in known]
+    if unknown:
+        raise KeyError(f"plan names ops this {adapter.family.model_type} model does not have: {', '.join(unknown)}")
+    return plan
+
+
+@contextmanager
+def apply_plan(
+    model: nn.Module,
+    plan: Mapping,
+    *,
+    ledger: Ledger | None = None,
+    options: MitigationOptions = MitigationOptions(),
+) -> Iterator[Ledger]:
+    """Install `plan` for the forward passes inside the block and yield the Ledger that counts
+    what they save (DESIGN.md section 4). Backward may run inside or after the block. On exit
+    every hook, wrapper and setting is removed, also when the body raises."""
+    adapter = Adapter(model)
+    plan = _validated(adapter, plan)
+    regions: dict[int, list[tuple[str, ...]]] = {}
+    for layer in {op.layer for op in plan if plan[op] == "recompute"}:
+        wanted = {op.name for op in plan if op.layer == layer and plan[op] == "recompute"}
+        regions[layer] = cover(block_units(adapter, layer), wanted, f"layer {layer}")
+    with ExitStack() as stack:
+        model = adapter.model
+        stack.enter_context(_bagualu_experts(adapter.config))
+        if regions and adapter.config.use_cache:  # a KV cache would be updated again by recomputation
+            adapter.config.use_cache = False
+            stack.callback(setattr, adapter.config, "use_cache", True)
+        tracker = OpTracker(adapter).install()
+        stack.callback(tracker.remove)
+        if ledger is None:
+            ledger = Ledger.for_model(model, current_op=lambda: tracker.current)
+        for layer, units in regions.items():
+            for unit in units:
+                module = _unit_module(adapter, layer, unit)
+                if module is not None:
+                    _checkpointed(module, stack, adapter.config)
+            experts = adapter.layers[layer].experts if 0 <= layer < len(adapter.layers) else None
+            singles = {u[0] for u in units if len(u) == 1 and u[0].startswith("expert_")}
+            if experts is not None and singles:
+                setattr(experts, RUNNER_ATTR, _runner(singles))
+                stack.callback(delattr, experts, RUNNER_ATTR)
+        hooks = SavedTensorHooks(plan, ledger, lambda: tracker.current, options)
+        for part in adapter.layers:
+            stack.callback(part.module.register_forward_pre_hook(hooks.layer_inputs, with_kwargs=True).remove)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack))
+        yield ledger
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """One saved tensor whose savers ask for different precision (case 1) or placement (case 2)."""
+
+    case: int
+    layer: int
+    tensor: str
+    savers: dict[str, str]  # op name -> strategy
+
+    def __str__(self) -> str:
+        kind = "multi-precision" if self.case == 1 else "multi-device"
+        asks = ", ".join(f"{op}: {s}" for op, s in self.savers.items())
+        return f"case {self.case} ({kind}) in layer {self.layer}, tensor {self.tensor!r}: {asks}"
+
+
+def model_cost(model: nn.Module) -> CostModel:
+    """The analytic cost model of a supported HF model, in its dtype and attention kernel (its
+    graphs name the same tensors the model saves; benchmarks/costmodel_accuracy.py checks it)."""
+    adapter = Adapter(model)
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[next(adapter.model.parameters()).dtype]
+    dims = ModelDims.from_hf_config(adapter.config, dtype=dtype, attention=adapter.config._attn_implementation)
+    return CostModel.from_config(dims, "cpu")
+
+
+def find_conflicts(plan: Mapping, model: nn.Module | CostModel) -> list[Conflict]:
+    """Tensors the plan asks to keep in two precisions (case 1: FP8 at one saver, full precision
+    at another) or two places (case 2: offloaded at one saver, on the device at another), per
+    paper §V-A. Either way the runtime keeps one copy and the mitigation saves nothing."""
+    cm = model if isinstance(model, CostModel) else model_cost(model)
+    plan = plan if isinstance(plan, Plan) else Plan(plan)
+    found = []
+    for layer, block in cm.blocks.items():
+        for t in block.tensors:
+            asks = {s: plan.strategy(OpId(layer, s)) for s in t.savers}
+            forms = {_form(a, t.floating) for a in asks.values()} - {None}
+            if len(forms) > 1:
+                found.append(Conflict(1 if "fp8" in forms else 2, layer, t.name, asks))
+    return found
+
+
+def _form(strategy: str, floating: bool) -> str | None:
+    """How one saver wants a tensor kept; None: recomputed (not kept by this saver)."""
+    if strategy == "recompute":
+        return None
+    if strategy == "keep" or (strategy == "fp8" and not floating):
+        return "full"
+    return strategy
