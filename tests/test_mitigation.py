@@ -12,10 +12,9 @@ is quantised) and its gradient error stays under a stated bound:
 - int8 with per-block absmax scales errs by at most amax/254 per element: every op in int8 stays
   under 2.5%, measured at most 1.7%.
 
-The Ledger's device bytes at the end of forward must match the analytic cost model's prediction
-for the same plan within 1%: offload and FP8 are exact to the byte; a recompute region also holds
-the small arguments every layer receives (position ids, a mask under eager attention), which the
-model leaves out.
+The Ledger's device bytes at the end of forward must equal the analytic cost model's prediction
+for the same plan (the issue asks within 1%; it is exact to the byte, a recompute region's held
+inputs and the layer arguments it holds included).
 """
 
 import random
@@ -77,7 +76,7 @@ def test_every_recompute_unit_alone_is_exact_and_predicted(case):
         plan = Plan.uniform(unit, "recompute")
         loss, grads, saved = run(model, plan)
         assert torch.equal(loss, loss0) and all(torch.equal(g, r) for g, r in zip(grads, grads0)), unit
-        assert saved == pytest.approx(cm.activation_bytes(TOKENS, seq_len=SEQ, plan=plan), rel=0.01), unit
+        assert saved == cm.activation_bytes(TOKENS, seq_len=SEQ, plan=plan), unit
 
 
 def test_every_op_in_fp8_alone_stays_within_bound_and_predicted(case):
@@ -106,7 +105,7 @@ def test_all_ops_at_once(case):
     full = cm.full_recompute()
     loss, grads, saved = run(model, full)
     assert torch.equal(loss, loss0) and all(torch.equal(g, r) for g, r in zip(grads, grads0))
-    assert saved == pytest.approx(cm.activation_bytes(TOKENS, seq_len=SEQ, plan=full), rel=0.01)
+    assert saved == cm.activation_bytes(TOKENS, seq_len=SEQ, plan=full)
     assert saved < 0.2 * keep  # recompute-everything keeps under 20% of keep-everything
 
 
@@ -119,7 +118,7 @@ def test_mixed_plans_are_predicted(case):
         plan.update(dict.fromkeys(rng.choice(recomputable), "recompute"))
         loss, grads, saved = run(model, plan)
         assert torch.equal(loss, loss0)
-        assert saved == pytest.approx(cm.activation_bytes(TOKENS, seq_len=SEQ, plan=plan), rel=0.01)
+        assert saved == cm.activation_bytes(TOKENS, seq_len=SEQ, plan=plan)
         assert relative_error(grads, grads0) <= 2 * 2**-4
 
 

@@ -205,13 +205,14 @@ def _attention(blk: _Block, inp: str) -> str:
     return "attn_out.residual"
 
 
-def _router(blk: _Block, h_in: str) -> int:
-    """The router's saved tensors; returns the byte width of the routing weights it hands on.
+def _router(blk: _Block, h_in: str) -> str:
+    """The router's saved tensors; returns the routing weights it hands to the experts.
 
     GLM-4 and DeepSeek-V3 route in FP32 through a sigmoid (keeping an FP32 copy of a low-precision
     input); Qwen and Mixtral through an FP32 softmax; gpt-oss softmaxes only the top-k logits.
     All keep the top-k index; renormalised weights keep the raw top-k and their sum. The weights
-    stay FP32 except where Qwen and gpt-oss cast them to the model dtype.
+    stay FP32 except where Qwen and gpt-oss cast them to the model dtype; gpt-oss hands on the very
+    softmax output it keeps.
     """
     d, b = blk.dims, blk.b
     h, E, k = d.hidden_size, d.num_experts, d.top_k
@@ -225,12 +226,11 @@ def _router(blk: _Block, h_in: str) -> int:
     if d.norm_topk_prob:
         blk.save("router", blk.tensor("router.topk_raw", "router", blk.tok(k), _F32))
         blk.save("router", blk.tensor("router.topk_sum", "router", blk.tok(1), _F32))
-    blk.tensor("topk_index", "router", blk.tok(k), _I64, floating=False)
-    weights = _F32 if fp32_router or d.family == "mixtral" else b
-    blk.tensor("topk_weights", "router", blk.tok(k), weights)
     blk.op("router", (h_in,), blk.tok(2 * h * E), LinearForm(const=E * h * _F32) + blk.tok(h * b + 3 * E * _F32), kernels=10)
     blk.expert_params += E * h
-    return weights
+    if d.family == "gpt_oss":
+        return "router.topk_softmax"
+    return blk.tensor("topk_weights", "router", blk.tok(k), _F32 if fp32_router or d.family == "mixtral" else b)
 
 
 def _moe(blk: _Block, h_in: str) -> None:
@@ -247,8 +247,8 @@ def _moe(blk: _Block, h_in: str) -> None:
 
     offsets = blk.tensor("experts.offsets", "expert_fc1", LinearForm(const=local), _I32, floating=False)
     blk.save("expert_fc1", offsets, blk.tensor("expert_fc1.token_index", "expert_fc1", blk.pair(1), _I64, floating=False))
+    ids = blk.tensor("expert_fc1.expert_ids", "expert_fc1", blk.pair(1), _I64, floating=False)
     if bias:  # per-pair bias rows are gathered by expert id, in fc1 and again in fc2
-        ids = blk.tensor("expert_fc1.expert_ids", "expert_fc1", blk.pair(1), _I64, floating=False)
         blk.save("expert_fc1", ids)
         blk.save("expert_fc2", ids)
     blk.save("expert_fc1", blk.tensor("expert_fc1.x", "expert_fc1", blk.pair(h), b))
@@ -256,7 +256,7 @@ def _moe(blk: _Block, h_in: str) -> None:
     perm = blk.tensor("expert_fc1.pair_perm", "expert_fc1", blk.pair(1), _I64, floating=False)
     blk.op(
         "expert_fc1",
-        (h_in, "topk_index"),
+        (h_in, "router.topk_index"),  # the index the router returns is the one it keeps
         blk.pair(2 * h * 2 * inter),
         LinearForm(const=local * 2 * inter * h * b) + blk.pair((2 * h + 2 * inter) * b),
         kernels=6,
@@ -271,11 +271,12 @@ def _moe(blk: _Block, h_in: str) -> None:
 
     blk.save("expert_fc2", offsets, perm, "act_out")
     blk.save("expert_fc2", blk.tensor("expert_fc2.inverse_perm", "expert_fc2", blk.pair(1), _I64, floating=False))
-    blk.save("expert_fc2", blk.tensor("expert_fc2.weights", "expert_fc2", blk.pair(1), weights))
+    width = blk.tensors[weights]["dtype_bytes"]
+    blk.save("expert_fc2", blk.tensor("expert_fc2.weights", "expert_fc2", blk.pair(1), width))
     blk.save("expert_fc2", blk.tensor("expert_fc2.y", "expert_fc2", blk.pair(h), b))
     blk.op(
         "expert_fc2",
-        ("act_out", "topk_weights"),
+        ("act_out", ids, perm, offsets, weights),
         blk.pair(2 * inter * h + h),
         LinearForm(const=local * inter * h * b) + blk.pair((inter + 3 * h) * b),
         kernels=5,

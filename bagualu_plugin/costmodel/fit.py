@@ -64,6 +64,7 @@ class TensorSample:
     floating: bool
     nbytes: int
     shared: bool = False  # handed to every layer as an argument (RoPE tables, masks)
+    held_by: tuple[int, ...] = ()  # a layer argument nothing saves: held by these layers' regions
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ def _align(samples: Sequence[BlockSample]) -> list[list[TensorSample]]:
     groups: dict[tuple, list[list[TensorSample]]] = {}
     for r, s in enumerate(samples):
         for t in s.tensors:
-            runs = groups.setdefault((t.savers, t.itemsize, t.floating, t.shared), [[] for _ in samples])
+            runs = groups.setdefault((t.savers, t.itemsize, t.floating, t.shared, t.held_by), [[] for _ in samples])
             runs[r].append(t)
     columns = []
     for key, runs in groups.items():
@@ -148,7 +149,7 @@ def _align(samples: Sequence[BlockSample]) -> list[list[TensorSample]]:
             for t in run:
                 weight[t.producer] = weight.get(t.producer, 0) + t.nbytes
         producer = max(weight, key=weight.get)
-        columns.append([TensorSample(producer, key[0], key[1], key[2], sum(t.nbytes for t in run), key[3]) for run in runs])
+        columns.append([TensorSample(producer, key[0], key[1], key[2], sum(t.nbytes for t in run), *key[3:]) for run in runs])
     return columns
 
 
@@ -171,7 +172,7 @@ def fit_block(
         form = _snap(fit_linear(loads, elements, memory_basis(op, routed_independent)))
         if max_residual(form, loads, elements) > 0.5:
             raise ValueError(f"{first.kind} block: saved tensor {i} of {op} is not linear in the load: {elements}")
-        tensors.append(TensorSpec(f"{op}.{i}", t.producer, t.savers, form, t.itemsize, t.floating, t.shared))
+        tensors.append(TensorSpec(f"{op}.{i}", t.producer, t.savers, form, t.itemsize, t.floating, t.shared, t.held_by))
 
     def inputs(op: str) -> tuple[str, ...]:
         """What an op reads, as far as memory is concerned: tensors it saves that other ops made,

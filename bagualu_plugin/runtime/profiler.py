@@ -199,12 +199,15 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     held: dict[int, tuple[int, torch.Tensor]] = {}  # block input storages, by block
     shared: dict[int, torch.Tensor] = {}  # storages every layer receives (RoPE tables, masks),
     # kept alive for the pass so that no later tensor can take their addresses
+    receivers: dict[int, list[int]] = {}  # which layers received each of them
 
     def block_input(index):
         def hook(_module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
             held.setdefault(index, (_ptr(x), x))
-            shared.update((_ptr(t), t) for t in shared_arguments(args, kwargs))
+            for t in shared_arguments(args, kwargs):
+                shared[_ptr(t)] = t
+                receivers.setdefault(_ptr(t), []).append(index)
 
         return hook
 
@@ -257,6 +260,14 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
             TensorSample(producer, savers, r.dtype.itemsize, r.dtype.is_floating_point, r.nbytes, r.key[1] in shared)
         )
     saved = {r.key[1] for r in records}
+    for ptr, tensor in shared.items():  # arguments nothing saves: held only by recompute regions
+        if ptr not in saved:
+            layers = tuple(i for i in dict.fromkeys(receivers[ptr]) if i != adapter.head_index)
+            t = TensorSample(
+                INPUT, (), tensor.dtype.itemsize, tensor.dtype.is_floating_point, tensor.untyped_storage().nbytes(),
+                held_by=layers,
+            )
+            tensors.setdefault(-1, []).append(t)
     for index, (ptr, tensor) in held.items():
         if ptr not in saved:  # an input nothing saves: held only by a recompute region
             t = TensorSample(INPUT, (), tensor.dtype.itemsize, tensor.dtype.is_floating_point, tensor.untyped_storage().nbytes())
