@@ -27,6 +27,10 @@ class HardwareSpec(BaseModel):
     devices_per_node: int = Field(ge=1)
     kernel_launch_s: Seconds = Field(gt=0, description="fixed cost of one kernel")
     copy_launch_s: Seconds = Field(gt=0, description="fixed cost of one host<->device copy")
+    cast_bandwidth: Bandwidth | None = Field(
+        default=None, gt=0, description="bytes read + written per second by the FP8 cast kernels; None: hbm_bandwidth"
+    )
+    cast_launch_s: Seconds | None = Field(default=None, gt=0, description="fixed cost of one cast; None: kernel_launch_s")
     simulated: bool = Field(default=False, description="capacity is enforced by the Ledger, not by a device")
 
 
@@ -89,19 +93,24 @@ PRESETS: dict[str, HardwareSpec] = {
             copy_launch_s=10e-6,
         ),
         # This machine class: no accelerator, so capacity is simulated by the Ledger
-        # (DESIGN.md section 6). Rates are conservative figures for a 2-core VM; the
-        # mitigation-roofline benchmark measures the real ones.
+        # (DESIGN.md section 6). The mitigation knees are measured on a 2-core VM by
+        # `python benchmarks/mitigation_roofline.py` (bf16, medians): offload moves 8 GB/s of
+        # activations out and back (16 GB/s per direction) after a 2.8 us start; FP8 cast and
+        # cast-back save 0.09 GB/s after 52 us (torch reference kernels: 0.55 GB/s read +
+        # written, 13 us per cast). Compute and memory rates are conservative 2-core figures.
         HardwareSpec(
             name="cpu",
             peak_flops=50e9,
             capacity_bytes=2 * _GIB,
             hbm_bandwidth=10e9,
-            host_link_bandwidth=5e9,
+            host_link_bandwidth=16e9,
             intra_node_bandwidth=5e9,
             inter_node_bandwidth=1e9,
             devices_per_node=1,
             kernel_launch_s=10e-6,
-            copy_launch_s=10e-6,
+            copy_launch_s=1.4e-6,
+            cast_bandwidth=0.55e9,
+            cast_launch_s=13e-6,
             simulated=True,
         ),
     )

@@ -387,3 +387,11 @@ def test_from_config_rejects_inconsistent_layouts():
         CostModel.from_config(_tiny(), "cpu", Parallel(tp=3))
     with pytest.raises(ValueError, match="unknown hardware preset"):
         CostModel.from_config(_tiny(), "tpu")
+
+
+def test_cast_roofline_uses_measured_knees_where_given():
+    from bagualu_plugin.costmodel.roofline import cast_kernel
+
+    cpu, h100 = preset("cpu"), preset("h100")
+    assert (cast_kernel(cpu).peak, cast_kernel(cpu).launch_s) == (cpu.cast_bandwidth, cpu.cast_launch_s)
+    assert (cast_kernel(h100).peak, cast_kernel(h100).launch_s) == (h100.hbm_bandwidth, h100.kernel_launch_s)

@@ -53,8 +53,9 @@ def offload_copy(hw: HardwareSpec) -> Roofline:
 
 
 def cast_kernel(hw: HardwareSpec) -> Roofline:
-    """One memory-bound kernel (FP8 quantize or dequantize): bytes read + written per second."""
-    return Roofline(hw.kernel_launch_s, hw.hbm_bandwidth)
+    """One FP8 quantize or dequantize: bytes read + written per second, as measured for the
+    hardware's cast kernels or, by default, a memory-bound kernel at HBM bandwidth."""
+    return Roofline(hw.cast_launch_s or hw.kernel_launch_s, hw.cast_bandwidth or hw.hbm_bandwidth)
 
 
 def fp8_stored_bytes(elements: float, block_size: int) -> float:
