@@ -32,6 +32,7 @@ from ..adapters.experts import IMPLEMENTATION, RUNNER_ATTR
 from ..costmodel import CostModel, ModelDims, OpId
 from ..costmodel.graph import standard_units
 from ..costmodel.mitigation import MitigationOptions, cover
+from ..costmodel.conflicts import Conflict, conflicts
 from ..costmodel.plan import Plan
 from .ledger import Ledger, StorageKey, _storage
 
@@ -361,21 +362,6 @@ def apply_plan(
         yield ledger
 
 
-@dataclass(frozen=True)
-class Conflict:
-    """One saved tensor whose savers ask for different precision (case 1) or placement (case 2)."""
-
-    case: int
-    layer: int
-    tensor: str
-    savers: dict[str, str]  # op name -> strategy
-
-    def __str__(self) -> str:
-        kind = "multi-precision" if self.case == 1 else "multi-device"
-        asks = ", ".join(f"{op}: {s}" for op, s in self.savers.items())
-        return f"case {self.case} ({kind}) in layer {self.layer}, tensor {self.tensor!r}: {asks}"
-
-
 def model_cost(model: nn.Module) -> CostModel:
     """The analytic cost model of a supported HF model, in its dtype and attention kernel (its
     graphs name the same tensors the model saves; benchmarks/costmodel_accuracy.py checks it)."""
@@ -386,25 +372,6 @@ def model_cost(model: nn.Module) -> CostModel:
 
 
 def find_conflicts(plan: Mapping, model: nn.Module | CostModel) -> list[Conflict]:
-    """Tensors the plan asks to keep in two precisions (case 1: FP8 at one saver, full precision
-    at another) or two places (case 2: offloaded at one saver, on the device at another), per
-    paper §V-A. Either way the runtime keeps one copy and the mitigation saves nothing."""
-    cm = model if isinstance(model, CostModel) else model_cost(model)
-    plan = plan if isinstance(plan, Plan) else Plan(plan)
-    found = []
-    for layer, block in cm.blocks.items():
-        for t in block.tensors:
-            asks = {s: plan.strategy(OpId(layer, s)) for s in t.savers}
-            forms = {_form(a, t.floating) for a in asks.values()} - {None}
-            if len(forms) > 1:
-                found.append(Conflict(1 if "fp8" in forms else 2, layer, t.name, asks))
-    return found
-
-
-def _form(strategy: str, floating: bool) -> str | None:
-    """How one saver wants a tensor kept; None: recomputed (not kept by this saver)."""
-    if strategy == "recompute":
-        return None
-    if strategy == "keep" or (strategy == "fp8" and not floating):
-        return "full"
-    return strategy
+    """`bgl.find_conflicts`: the §V-A conflicts of `plan` on a supported HF model (its analytic
+    cost model names the same tensors the model saves) or on a cost model."""
+    return conflicts(plan if isinstance(plan, Plan) else Plan(plan), model if isinstance(model, CostModel) else model_cost(model))

@@ -1,0 +1,61 @@
+"""Pipeline-aware memory budget of each forward micro-batch: Algorithm 1 of paper §V-A.
+
+In warmup no backward frees memory, so each new micro-batch gets an even share of what is left
+while every micro-batch not yet launched keeps its minimum M0 (the activation memory of full
+recompute). In the steady phase each forward follows the backward of the micro-batch `warmup`
+places earlier, and gets all the memory that backward freed. After every forward the budget is
+replaced by what the micro-batch really kept, so an estimate that was off does not cascade.
+
+With nanotron's 1F1B, rank r of P runs P - r - 1 forwards before the first steady forward, which
+also runs before any backward: the micro-batches that stack are `warmup = min(P - r, m)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class BudgetState:
+    """Algorithm 1 as a value: `budget(i)` before forward i, `after_forward(i, actual)` after it."""
+
+    capacity: int  # M_max: device bytes activations and static memory may use together
+    min_budget: int  # M0
+    warmup: int  # B_w
+    used: int  # M_used: static bytes plus the budgets (actuals) of live micro-batches
+    budgets: tuple[int, ...] = ()  # actual bytes of micro-batches 0..i-1
+
+    @classmethod
+    def start(cls, capacity: int, static_bytes: int, min_budget: int, warmup: int) -> BudgetState:
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1 micro-batch, got {warmup}")
+        if min_budget < 0 or static_bytes < 0:
+            raise ValueError(f"min_budget and static_bytes must be >= 0, got {min_budget} and {static_bytes}")
+        free = capacity - static_bytes - warmup * min_budget
+        if free < 0:
+            raise ValueError(
+                f"capacity {capacity} bytes cannot hold static memory {static_bytes} plus {warmup} in-flight "
+                f"micro-batches at the full-recompute minimum M0 = {min_budget} bytes ({-free} bytes short): "
+                "lower the micro-batch size or sequence length, raise pipeline parallelism, or shard more state"
+            )
+        return cls(capacity, min_budget, warmup, static_bytes)
+
+    def budget(self, i: int) -> int:
+        """Bytes micro-batch i's forward may keep (line 5 in warmup, lines 11-12 in steady)."""
+        self._check(i)
+        if i < self.warmup:
+            r = self.warmup - i
+            return (self.capacity - self.used - r * self.min_budget) // r + self.min_budget
+        return self.capacity - (self.used - self.budgets[i - self.warmup])
+
+    def after_forward(self, i: int, actual: int) -> BudgetState:
+        """Replace micro-batch i's budget by what it kept (lines 7-8, 14-15)."""
+        self._check(i)
+        used = self.used + actual
+        if i >= self.warmup:  # the backward before this forward released micro-batch i - warmup
+            used -= self.budgets[i - self.warmup]
+        return replace(self, used=used, budgets=(*self.budgets, actual))
+
+    def _check(self, i: int) -> None:
+        if i != len(self.budgets):
+            raise ValueError(f"micro-batch {i} out of order: {len(self.budgets)} forwards have run")
