@@ -82,3 +82,18 @@ def test_algorithm_2_rejects_conflicting_candidates_and_reports_infeasible_budge
         plan_micro_batch(cm, 1100, tokens=1, strategies=("offload",))
     with pytest.raises(ValueError, match="strategies: unknown"):
         plan_micro_batch(cm, 1100, tokens=1, strategies=("zip",))
+
+
+def test_cached_planner_serves_repeated_budgets_with_plans_that_fit():
+    from bagualu_plugin.planner import CachedPlanner
+
+    cm = _model()
+    planner = CachedPlanner(cm, budget_quantum=100, routed_quantum=1)
+    first = planner.plan(1550, tokens=1)
+    again = planner.plan(1580, tokens=1)  # same 100-byte bucket: served from the cache
+    assert again is first and (planner.hits, planner.misses) == (1, 1)
+    assert first.activation_bytes <= 1500  # planned for the bucket's floor, so it fits both
+    planner.plan(1000, tokens=1)
+    assert planner.misses == 2
+    with pytest.raises(ValueError, match="quanta"):
+        CachedPlanner(cm, budget_quantum=0)

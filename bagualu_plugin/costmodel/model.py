@@ -53,6 +53,12 @@ class MitigationCost:
         return self.bytes_saved / added if added > 0 else float("inf")
 
 
+def holds_arguments(block: BlockGraph, plan: Mapping[str, str]) -> bool:
+    """Whether the block's recompute regions take the layer's arguments (attention or the whole
+    layer runs under a checkpoint that holds them)."""
+    return any("attn_core" in region for region in recompute_regions(block, plan))
+
+
 class CostModel:
     def __init__(
         self,
@@ -141,16 +147,15 @@ class CostModel:
         total = Footprint()
         for i, block in self.blocks.items():
             total += footprint(block, plans[i], loads[i], self.hardware, options)
-        # layer arguments held by recompute regions that take them (attention or the whole layer)
-        holding = {
-            i
-            for i, block in self.blocks.items()
-            if any("attn_core" in region for region in recompute_regions(block, plans[i]))
-        }
-        held = sum(
+        holding = {i for i, block in self.blocks.items() if holds_arguments(block, plans[i])}
+        return total + Footprint(device_bytes=self.argument_bytes(loads, holding))
+
+    def argument_bytes(self, loads: Mapping[int, Load], holding: set[int]) -> float:
+        """Bytes of the layer arguments (position ids, masks) that the recompute regions of the
+        layers in `holding` keep alive."""
+        return sum(
             t.bytes(loads[i]) for i, block in self.blocks.items() for t in block.tensors if set(t.held_by) & holding
         )
-        return total + Footprint(device_bytes=held)
 
     def activation_bytes(
         self,

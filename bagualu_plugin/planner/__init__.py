@@ -2,6 +2,6 @@
 per-operator mitigation that fits it (Algorithm 2)."""
 
 from .budget import BudgetState
-from .greedy import Decision, InfeasibleBudget, plan_micro_batch
+from .greedy import CachedPlanner, Decision, InfeasibleBudget, plan_micro_batch
 
-__all__ = ["BudgetState", "Decision", "InfeasibleBudget", "plan_micro_batch"]
+__all__ = ["BudgetState", "CachedPlanner", "Decision", "InfeasibleBudget", "plan_micro_batch"]

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from ..costmodel.conflicts import conflicts
 from ..costmodel.graph import OpId
-from ..costmodel.mitigation import MITIGATIONS, MitigationOptions
-from ..costmodel.model import CostModel, Routed
+from ..costmodel.mitigation import MITIGATIONS, Footprint, MitigationOptions, footprint
+from ..costmodel.model import CostModel, Routed, holds_arguments
 from ..costmodel.plan import Plan
 
 
@@ -53,30 +53,80 @@ def plan_micro_batch(
             if ops and (ops, strategy) not in candidates:
                 candidates.append((ops, strategy))
 
+    # Only the candidate's block changes, so each trial re-evaluates one block.
+    loads = cm.loads(tokens, routed, seq_len)
+    plans: dict[int, dict[str, str]] = {i: {} for i in cm.blocks}
+    parts = {i: footprint(b, {}, loads[i], cm.hardware, options) for i, b in cm.blocks.items()}
+    holding: set[int] = set()
+
+    def total(parts: dict[int, Footprint], holding: set[int]) -> Footprint:
+        return sum(parts.values(), Footprint()) + Footprint(device_bytes=cm.argument_bytes(loads, holding))
+
     plan: dict[OpId, str] = {}
-    footprint = cm.footprint(tokens, routed, seq_len, plan, options)
+    current = total(parts, holding)
     steps = 0
-    while footprint.device_bytes > budget:
+    while current.device_bytes > budget:
         best = None
         for ops, strategy in candidates:
             if all(plan.get(op) == strategy for op in ops):
                 continue
-            trial = {**plan, **dict.fromkeys(ops, strategy)}
-            cost = cm.footprint(tokens, routed, seq_len, trial, options)
-            reduction = footprint.device_bytes - cost.device_bytes
-            added = cost.forward_extra_s + cost.backward_extra_s - footprint.forward_extra_s - footprint.backward_extra_s
+            i = ops[0].layer
+            block_plan = {**plans[i], **{op.name: strategy for op in ops}}
+            trial_parts = {**parts, i: footprint(cm.blocks[i], block_plan, loads[i], cm.hardware, options)}
+            trial_holding = holding | {i} if holds_arguments(cm.blocks[i], block_plan) else holding - {i}
+            cost = total(trial_parts, trial_holding)
+            reduction = current.device_bytes - cost.device_bytes
+            added = cost.forward_extra_s + cost.backward_extra_s - current.forward_extra_s - current.backward_extra_s
             if reduction > 0 and (best is None or (reduction, -added) > best[0]):
-                best = ((reduction, -added), ops, strategy, trial, cost)
+                best = ((reduction, -added), ops, strategy, block_plan, trial_parts, trial_holding, cost)
         if best is None:
             raise InfeasibleBudget(
                 f"budget {budget:.0f} bytes is below what any plan of {', '.join(strategies)} keeps: at best "
-                f"{footprint.device_bytes:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
+                f"{current.device_bytes:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
                 "in-flight micro-batches) or allow more strategies"
             )
-        _, ops, strategy, trial, cost = best
+        _, ops, strategy, block_plan, trial_parts, trial_holding, cost = best
+        trial = {**plan, **dict.fromkeys(ops, strategy)}
         before = {(c.layer, c.tensor) for c in conflicts(Plan(plan), cm)}
         if any((c.layer, c.tensor) not in before for c in conflicts(Plan(trial), cm)):
             candidates.remove((ops, strategy))  # conflicts with a larger reduction already applied
             continue
-        plan, footprint, steps = trial, cost, steps + 1
-    return Decision(Plan(plan), footprint.device_bytes, footprint.forward_extra_s, footprint.backward_extra_s, steps)
+        plan, parts, holding, current, steps = trial, trial_parts, trial_holding, cost, steps + 1
+        plans[ops[0].layer] = block_plan
+    return Decision(Plan(plan), current.device_bytes, current.forward_extra_s, current.backward_extra_s, steps)
+
+
+class CachedPlanner:
+    """Algorithm 2 behind a cache (paper §V-B's observation holds for plans too: budgets repeat
+    with the pipeline phase and routing is stable for most micro-batches). Budgets are rounded
+    down to `budget_quantum` bytes and local routed pairs to `routed_quantum` pairs, so a cached
+    plan always fits the budget it is served for and plans a slightly heavier routing."""
+
+    def __init__(
+        self,
+        cm: CostModel,
+        budget_quantum: int = 64 << 20,
+        routed_quantum: int = 256,
+        strategies: Sequence[str] = MITIGATIONS,
+        options: MitigationOptions = MitigationOptions(),
+    ):
+        if budget_quantum <= 0 or routed_quantum <= 0:
+            raise ValueError(f"quanta must be > 0, got budget {budget_quantum}, routed {routed_quantum}")
+        self.cm, self.strategies, self.options = cm, tuple(strategies), options
+        self.budget_quantum, self.routed_quantum = budget_quantum, routed_quantum
+        self._cache: dict[tuple, Decision] = {}
+        self.hits = self.misses = 0
+
+    def plan(self, budget: float, tokens: int, routed: Sequence[float] | None = None, seq_len: int | None = None) -> Decision:
+        q = self.routed_quantum
+        pairs = None if routed is None else tuple(-(-int(r) // q) * q for r in routed)  # round up
+        key = (int(budget // self.budget_quantum), tokens, seq_len, pairs)
+        decision = self._cache.get(key)
+        if decision is None:
+            self.misses += 1
+            floor = key[0] * self.budget_quantum
+            decision = plan_micro_batch(self.cm, floor, tokens, pairs, seq_len, self.strategies, self.options)
+            self._cache[key] = decision
+        else:
+            self.hits += 1
+        return decision
