@@ -255,16 +255,14 @@ def _bagualu_experts(config) -> Iterator[None]:
         config._experts_implementation_internal = previous
 
 
-def _checkpointed(module: nn.Module, stack: ExitStack, config) -> None:
-    """Run `module`'s forward under a non-reentrant checkpoint (restored on exit).
+def _recomputed(module: nn.Module, forward: Callable, config) -> Callable:
+    """`forward` of `module` run under a non-reentrant checkpoint.
 
     Every tensor the forward receives, keyword arguments and tuples (RoPE tables) included, is
     handed to the checkpoint positionally: the checkpoint saves its positional tensors for
     backward, where the Ledger sees them, and would hold the rest unseen. The recomputation in
-    backward runs the experts as the forward did, even after `apply_plan` has exited.
+    backward runs the experts as the forward did, even after the runtime has been removed.
     """
-    had, previous = "forward" in module.__dict__, module.__dict__.get("forward")
-    forward = module.forward
 
     def recomputed(*args, **kwargs):
         if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "past_key_value")):
@@ -285,28 +283,7 @@ def _checkpointed(module: nn.Module, stack: ExitStack, config) -> None:
 
         return checkpoint(run, *(leaves[i] for i in where), use_reentrant=False)
 
-    module.forward = recomputed
-
-    def restore():
-        if had:
-            module.forward = previous
-        else:
-            del module.forward
-
-    stack.callback(restore)
-
-
-def _runner(recomputed: set[str]):
-    def run(name, op, experts, *args, **kwargs):
-        if name in recomputed:
-            return checkpoint(op, experts, *args, use_reentrant=False, **kwargs)
-        return op(experts, *args, **kwargs)
-
-    return run
-
-
-# ------------------------------------------------------------------------------------------------
-# the public entry points
+    return recomputed
 
 
 def _validated(adapter: Adapter, plan: Mapping) -> Plan:
@@ -316,6 +293,87 @@ def _validated(adapter: Adapter, plan: Mapping) -> Plan:
     if unknown:
         raise KeyError(f"plan names ops this {adapter.family.model_type} model does not have: {', '.join(unknown)}")
     return plan
+
+
+class PlanRuntime:
+    """The mitigation mechanisms installed on a model once, following a plan that may change
+    between micro-batches and even within one, at the gate (deferred planning, paper §V-A):
+    every recompute unit's module is wrapped and every experts module gets a runner, each
+    checking the current plan when it runs; saved tensors are handled inside `forward()`."""
+
+    def __init__(self, model: nn.Module, *, ledger: Ledger | None = None, options: MitigationOptions = MitigationOptions()):
+        self.adapter = Adapter(model)
+        self.options = options
+        self.tracker = OpTracker(self.adapter)
+        self.ledger = ledger or Ledger.for_model(self.adapter.model, current_op=lambda: self.tracker.current)
+        self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options)
+        self._regions: set[tuple[int, tuple[str, ...]]] = set()
+        self._stack: ExitStack | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return self.hooks.plan
+
+    def set_plan(self, plan: Mapping) -> None:
+        """Follow `plan` from now on (validated first: unknown ops, units that cannot recompute)."""
+        plan = _validated(self.adapter, plan)
+        regions = set()
+        for layer in {op.layer for op in plan if plan[op] == "recompute"}:
+            wanted = {op.name for op in plan if op.layer == layer and plan[op] == "recompute"}
+            regions |= {(layer, u) for u in cover(block_units(self.adapter, layer), wanted, f"layer {layer}")}
+        self._regions, self.hooks.plan = regions, plan
+
+    def install(self) -> PlanRuntime:
+        a, stack = self.adapter, ExitStack()
+        stack.enter_context(_bagualu_experts(a.config))
+        if a.config.use_cache:  # a KV cache would be updated again by recomputation
+            a.config.use_cache = False
+            stack.callback(setattr, a.config, "use_cache", True)
+        self.tracker.install()
+        stack.callback(self.tracker.remove)
+        for layer in [-1, *(part.index for part in a.layers), a.head_index]:
+            for unit in block_units(a, layer):
+                module = _unit_module(a, layer, unit)
+                if module is not None:  # expert ops have no module: the runner checkpoints them
+                    self._wrap(module, layer, unit, stack)
+        for part in a.layers:
+            if part.experts is not None:
+                setattr(part.experts, RUNNER_ATTR, self._runner(part.index))
+                stack.callback(delattr, part.experts, RUNNER_ATTR)
+            stack.callback(part.module.register_forward_pre_hook(self.hooks.layer_inputs, with_kwargs=True).remove)
+        self._stack = stack
+        return self
+
+    def _wrap(self, module: nn.Module, layer: int, unit: tuple[str, ...], stack: ExitStack) -> None:
+        """Route `module`'s forward through a checkpoint while its unit is a recompute region."""
+        had, previous = "forward" in module.__dict__, module.__dict__.get("forward")
+        forward = module.forward
+        recomputed = _recomputed(module, forward, self.adapter.config)
+
+        def dispatch(*args, **kwargs):
+            return (recomputed if (layer, unit) in self._regions else forward)(*args, **kwargs)
+
+        module.forward = dispatch
+        stack.callback(lambda: setattr(module, "forward", previous) if had else delattr(module, "forward"))
+
+    def _runner(self, layer: int):
+        def run(name, op, experts, *args, **kwargs):
+            if (layer, (name,)) in self._regions:
+                return checkpoint(op, experts, *args, use_reentrant=False, **kwargs)
+            return op(experts, *args, **kwargs)
+
+        return run
+
+    @contextmanager
+    def forward(self) -> Iterator[Ledger]:
+        """The saved-tensor hooks for the forward passes inside the block."""
+        with torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack):
+            yield self.ledger
+
+    def remove(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
 
 
 @contextmanager
@@ -329,37 +387,14 @@ def apply_plan(
     """Install `plan` for the forward passes inside the block and yield the Ledger that counts
     what they save (DESIGN.md section 4). Backward may run inside or after the block. On exit
     every hook, wrapper and setting is removed, also when the body raises."""
-    adapter = Adapter(model)
-    plan = _validated(adapter, plan)
-    regions: dict[int, list[tuple[str, ...]]] = {}
-    for layer in {op.layer for op in plan if plan[op] == "recompute"}:
-        wanted = {op.name for op in plan if op.layer == layer and plan[op] == "recompute"}
-        regions[layer] = cover(block_units(adapter, layer), wanted, f"layer {layer}")
-    with ExitStack() as stack:
-        model = adapter.model
-        stack.enter_context(_bagualu_experts(adapter.config))
-        if regions and adapter.config.use_cache:  # a KV cache would be updated again by recomputation
-            adapter.config.use_cache = False
-            stack.callback(setattr, adapter.config, "use_cache", True)
-        tracker = OpTracker(adapter).install()
-        stack.callback(tracker.remove)
-        if ledger is None:
-            ledger = Ledger.for_model(model, current_op=lambda: tracker.current)
-        for layer, units in regions.items():
-            for unit in units:
-                module = _unit_module(adapter, layer, unit)
-                if module is not None:
-                    _checkpointed(module, stack, adapter.config)
-            experts = adapter.layers[layer].experts if 0 <= layer < len(adapter.layers) else None
-            singles = {u[0] for u in units if len(u) == 1 and u[0].startswith("expert_")}
-            if experts is not None and singles:
-                setattr(experts, RUNNER_ATTR, _runner(singles))
-                stack.callback(delattr, experts, RUNNER_ATTR)
-        hooks = SavedTensorHooks(plan, ledger, lambda: tracker.current, options)
-        for part in adapter.layers:
-            stack.callback(part.module.register_forward_pre_hook(hooks.layer_inputs, with_kwargs=True).remove)
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack))
-        yield ledger
+    runtime = PlanRuntime(model, ledger=ledger, options=options)
+    runtime.set_plan(plan)  # validated before anything is installed
+    runtime.install()
+    try:
+        with runtime.forward() as counted:
+            yield counted
+    finally:
+        runtime.remove()
 
 
 def model_cost(model: nn.Module) -> CostModel:
