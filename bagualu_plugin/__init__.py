@@ -12,10 +12,11 @@ from .costmodel.plan import Plan
 from .hardware import HardwareSpec
 from .runtime.mitigation import apply_plan, find_conflicts
 from .runtime.profiler import profile
+from .runtime.provisioner import apply
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CostModel", "HardwareSpec", "ModelDims", "OpId", "Parallel", "Plan", "Recipe", "RecipeError",
-    "apply_plan", "find_conflicts", "list_ops", "load_recipe", "profile",
+    "apply", "apply_plan", "find_conflicts", "list_ops", "load_recipe", "profile",
 ]

@@ -19,11 +19,13 @@ class Stage:
     min_budget: int  # M0: activation bytes of one micro-batch under full recompute
 
     @classmethod
-    def of(cls, recipe: Recipe, cost: CostModel | None = None) -> Stage:
-        """`cost`: a whole-model cost model (e.g. profiled); default: analytic from the recipe."""
+    def of(cls, recipe: Recipe, cost: CostModel | None = None, split: bool = True) -> Stage:
+        """`cost`: a whole-model cost model (e.g. profiled; default: analytic from the recipe),
+        split to the recipe's pipeline stage, or already the stage's own when `split` is False
+        (the model a pipeline rank holds is its stage)."""
         par, pipe, budget = recipe.parallel, recipe.pipeline, recipe.budget
         whole = cost or CostModel.from_config(recipe.model, recipe.hardware, par)
-        stage = whole.stage(pipe.pp, pipe.rank)
+        stage = whole.stage(pipe.pp, pipe.rank) if split else whole
         tokens = recipe.batch.tokens
         if budget.non_activation_bytes == "auto":
             static = stage.static_bytes(

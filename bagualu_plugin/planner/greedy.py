@@ -70,6 +70,8 @@ def plan_micro_batch(
         for ops, strategy in candidates:
             if all(plan.get(op) == strategy for op in ops):
                 continue
+            if strategy != "recompute" and any(plan.get(op) == "recompute" for op in ops):
+                continue  # an op in a recompute unit keeps nothing to offload or quantise
             i = ops[0].layer
             block_plan = {**plans[i], **{op.name: strategy for op in ops}}
             trial_parts = {**parts, i: footprint(cm.blocks[i], block_plan, loads[i], cm.hardware, options)}

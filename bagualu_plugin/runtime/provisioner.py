@@ -1,0 +1,174 @@
+"""`bgl.apply(model, recipe)`: per-micro-batch control of activation memory (paper §V-A).
+
+At each pipeline scheduling point the Provisioner gives the next forward micro-batch its budget
+(Algorithm 1), plans per-operator mitigation for the routing it expects (Algorithm 2, cached),
+and installs the plan. Right after each MoE gate the real local routed pairs are known: if they
+would take the micro-batch over its budget, that layer's experts are escalated to recompute
+before they run (deferred planning). After the forward the budget is replaced by what the Ledger
+counted. The engine (nanotron's pipeline, or `run_stage` here) calls `begin_forward`,
+`end_forward`, `end_backward`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..adapters.gate import GateMonitor
+from ..config import Recipe
+from ..costmodel import CostModel, OpId
+from ..costmodel.mitigation import footprint
+from ..costmodel.pipeline import one_f_one_b
+from ..costmodel.plan import Plan
+from ..planner import BudgetState, CachedPlanner
+from ..stage import Stage
+from .ledger import Ledger
+from .mitigation import PlanRuntime, model_cost
+
+
+class Provisioner:
+    def __init__(self, model: nn.Module, recipe: Recipe, cost: CostModel | None = None):
+        """`model` is this pipeline rank's stage; `cost` its cost model (default: the analytic one
+        of the model's config)."""
+        self.recipe = recipe
+        self.stage = Stage.of(recipe, cost or model_cost(model), split=False)
+        pipe = recipe.pipeline
+        capacity = recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes
+        self.warmup = min(pipe.pp - pipe.rank, pipe.micro_batches)
+        self.budgets = BudgetState.start(capacity, self.stage.static_bytes, self.stage.min_budget, self.warmup)
+        balanced = self.stage.tokens * self.stage.cost.pairs_per_token
+        self.planner = CachedPlanner(  # cache buckets: 1/16 of M0 and of the balanced routing
+            self.stage.cost,
+            budget_quantum=max(1, self.stage.min_budget // 16),
+            routed_quantum=max(1, int(balanced) // 16),
+            strategies=recipe.strategies.allowed,
+            options=self.stage.options,
+        )
+        self.runtime = PlanRuntime(model, options=self.stage.options)
+        self.runtime.ledger = Ledger.for_model(
+            self.runtime.adapter.model,
+            capacity_bytes=capacity if recipe.hardware.simulated else None,
+            static_bytes=self.stage.static_bytes,
+            current_op=lambda: self.runtime.tracker.current,
+        )
+        self.runtime.hooks.ledger = self.runtime.ledger
+        self.runtime.install()
+        par = recipe.parallel
+        self.gate = GateMonitor(self.runtime.adapter, par.ep, par.ep_rank, on_gate=self._on_gate).install()
+        self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
+        self.events: list[dict] = []
+        self._mb: int | None = None
+        self._forward = None
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.runtime.ledger
+
+    def begin_forward(self, mb: int, tokens: int, seq_len: int) -> None:
+        """Budget and plan micro-batch `mb` for balanced routing; its saved tensors go through the
+        plan until `end_forward`."""
+        start = time.perf_counter()
+        budget = self.budgets.budget(mb)
+        # plan for the common case (97.1% of iterations stay under normal_max_imbalance, §II-B);
+        # heavier routing is caught at the gate
+        self._planned = tokens * self.stage.cost.pairs_per_token * self.recipe.spikes.normal_max_imbalance
+        decision = self.planner.plan(budget, tokens, [self._planned] * len(self.stage.cost.moe_layers), seq_len)
+        self.runtime.set_plan(decision.plan)
+        self._event = {
+            "micro_batch": mb,
+            "phase": "warmup" if mb < self.warmup else "steady",
+            "budget": budget,
+            "predicted": decision.activation_bytes,
+            "plan": {str(op): s for op, s in sorted(decision.plan.items())},
+            "escalations": [],
+            "tokens": tokens,
+            "seq_len": seq_len,
+        }
+        self._slack = budget - decision.activation_bytes
+        self._per_pair = self._expert_bytes_per_pair()
+        self.ledger.micro_batch = mb
+        self._mb = mb
+        self._forward = self.runtime.forward()
+        self._forward.__enter__()
+        self._event["planner_s"] = time.perf_counter() - start
+
+    def _expert_bytes_per_pair(self) -> dict[int, float]:
+        """Device bytes each extra local routed pair costs in each MoE layer under the plan."""
+        cm, plan, step = self.stage.cost, self.runtime.plan, 1024
+        loads = cm.loads(self._event["tokens"], self._planned, self._event["seq_len"])
+        out = {}
+        for layer in cm.moe_layers:
+            block, load = cm.blocks[layer], loads[layer]
+            names = {op.name: s for op, s in plan.items() if op.layer == layer}
+            more = replace(load, routed=load.routed + step)
+            before = footprint(block, names, load, cm.hardware, self.stage.options).device_bytes
+            after = footprint(block, names, more, cm.hardware, self.stage.options).device_bytes
+            out[layer] = (after - before) / step
+        return out
+
+    def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
+        """Deferred planning: the experts of `layer` have not run yet; if the pairs routed here
+        would overrun this micro-batch's slack, recompute them (strongest first)."""
+        if self._mb is None or layer not in self._per_pair:
+            return
+        extra = (int(local_pairs) - self._planned) * self._per_pair[layer]  # one host sync per MoE layer
+        if extra <= self._slack:
+            self._slack -= max(extra, 0)
+            return
+        escalated = {**self.runtime.plan, **{OpId(layer, n): "recompute" for n in ("expert_fc1", "expert_act", "expert_fc2")}}
+        self.runtime.set_plan(Plan(escalated))
+        self._event["escalations"].append({"layer": layer, "local_pairs": int(local_pairs), "overrun": extra - self._slack})
+
+    def end_forward(self, mb: int) -> int:
+        """The bytes micro-batch `mb` really keeps; its budget becomes that (Algorithm 1)."""
+        self._forward.__exit__(None, None, None)
+        self._forward, self._mb = None, None
+        actual = self.ledger.by_micro_batch().get(mb, 0)
+        self.budgets = self.budgets.after_forward(mb, actual)
+        self._event["actual"] = actual
+        self._event["peak_device_bytes"] = self.ledger.peak_device_bytes + self.stage.static_bytes
+        self.events.append(self._event)
+        if self.telemetry:
+            with self.telemetry.open("a") as f:
+                f.write(json.dumps(self._event) + "\n")
+        return actual
+
+    def end_backward(self, mb: int) -> None:
+        """Micro-batch `mb`'s activations are released (the Ledger sees them go)."""
+
+    def remove(self) -> None:
+        self.gate.remove()
+        self.runtime.remove()
+
+
+def apply(model: nn.Module, recipe: Recipe, cost: CostModel | None = None) -> Provisioner:
+    """`bgl.apply`: install adaptive activation provisioning on `model` as `recipe` says."""
+    return Provisioner(model, recipe, cost)
+
+
+def run_stage(
+    provisioner: Provisioner, model: nn.Module, batches: Sequence[torch.Tensor], pp: int, rank: int
+) -> list[float]:
+    """One iteration of pipeline rank `rank` of `pp` on one process: forwards and backwards in
+    nanotron's 1F1B order, so warmup micro-batches' activations really stay alive together."""
+    losses: dict[int, torch.Tensor] = {}
+    for step in one_f_one_b(pp, rank, len(batches)):
+        ids = batches[step.micro_batch]
+        if step.kind == "F":
+            provisioner.begin_forward(step.micro_batch, ids.numel(), ids.shape[-1])
+            try:
+                losses[step.micro_batch] = model(input_ids=ids, labels=ids).loss
+            finally:
+                provisioner.end_forward(step.micro_batch)
+        else:
+            loss = losses.pop(step.micro_batch)
+            loss.backward()
+            del loss
+            provisioner.end_backward(step.micro_batch)
+    return [e["actual"] for e in provisioner.events[-len(batches):]]
