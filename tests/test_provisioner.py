@@ -43,6 +43,8 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory():
         assert all(e["actual"] <= e["budget"] for e in prov.events)
         assert any(e["plan"] for e in prov.events)  # it had to mitigate
         assert [e["actual"] for e in prov.events] == actuals
+        # 1F1B on rank 0 of 4: F0 F1 F2 F3 B0 ...: after B0 the stage keeps micro-batches 1-3
+        assert prov.events[0]["live_after_backward"] == sum(actuals[1:4])
         # budgets were re-based on actuals: the steady budget of micro-batch 4 is what micro-batch 0 freed
         assert prov.events[4]["budget"] == capacity - (sum(actuals[:4]) - actuals[0])
     finally:

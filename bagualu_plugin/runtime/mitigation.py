@@ -301,11 +301,26 @@ class PlanRuntime:
     every recompute unit's module is wrapped and every experts module gets a runner, each
     checking the current plan when it runs; saved tensors are handled inside `forward()`."""
 
-    def __init__(self, model: nn.Module, *, ledger: Ledger | None = None, options: MitigationOptions = MitigationOptions()):
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        ledger: Ledger | None = None,
+        options: MitigationOptions = MitigationOptions(),
+        capacity_bytes: int | None = None,
+        static_bytes: int = 0,
+    ):
+        """`ledger`: count into this one; otherwise a new Ledger of the model with the given
+        (simulated) capacity and static bytes."""
         self.adapter = Adapter(model)
         self.options = options
         self.tracker = OpTracker(self.adapter)
-        self.ledger = ledger or Ledger.for_model(self.adapter.model, current_op=lambda: self.tracker.current)
+        self.ledger = ledger or Ledger.for_model(
+            self.adapter.model,
+            capacity_bytes=capacity_bytes,
+            static_bytes=static_bytes,
+            current_op=lambda: self.tracker.current,
+        )
         self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options)
         self._regions: set[tuple[int, tuple[str, ...]]] = set()
         self._stack: ExitStack | None = None

@@ -50,15 +50,12 @@ class Provisioner:
             strategies=recipe.strategies.allowed,
             options=self.stage.options,
         )
-        self.runtime = PlanRuntime(model, options=self.stage.options)
-        self.runtime.ledger = Ledger.for_model(
-            self.runtime.adapter.model,
+        self.runtime = PlanRuntime(
+            model,
+            options=self.stage.options,
             capacity_bytes=capacity if recipe.hardware.simulated else None,
             static_bytes=self.stage.static_bytes,
-            current_op=lambda: self.runtime.tracker.current,
-        )
-        self.runtime.hooks.ledger = self.runtime.ledger
-        self.runtime.install()
+        ).install()
         par = recipe.parallel
         self.gate = GateMonitor(self.runtime.adapter, par.ep, par.ep_rank, on_gate=self._on_gate).install()
         self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
@@ -139,8 +136,14 @@ class Provisioner:
                 f.write(json.dumps(self._event) + "\n")
         return actual
 
-    def end_backward(self, mb: int) -> None:
-        """Micro-batch `mb`'s activations are released (the Ledger sees them go)."""
+    def end_backward(self, mb: int) -> int:
+        """Micro-batch `mb`'s activations are released; returns what the stage still keeps (the
+        memory Algorithm 1 hands to the next forward), recorded in `mb`'s event."""
+        live = self.ledger.live_device_bytes
+        for event in self.events:
+            if event["micro_batch"] == mb:
+                event["live_after_backward"] = live
+        return live
 
     def remove(self) -> None:
         self.gate.remove()
