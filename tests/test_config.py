@@ -76,7 +76,7 @@ def test_shipped_recipe_loads(file: Path) -> None:
 
 def test_builtin_recipes_are_the_shipped_files() -> None:
     assert {name: path.resolve() for name, path in builtin_recipes().items()} == {p.stem: p for p in SHIPPED}
-    assert len(SHIPPED) == 12
+    assert len(SHIPPED) == 13  # 4 families, the demo, 8 Table II presets
     assert load_recipe("glm-423b-a30b").gpus == 512
 
 
