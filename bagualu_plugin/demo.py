@@ -110,16 +110,16 @@ def run_policy(policy: str, recipe: Recipe, steps: int, restart_iterations: int 
     capacity = recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes
     warmup = min(pipe.pp - pipe.rank, pipe.micro_batches)
     result = PolicyResult(policy, 0, 0, 0.0, 0, 0, recipe.hardware.capacity_bytes)
-    current = policy
+    current, runner = policy, None
     iteration_times: list[float] = []
     for it in range(steps):
-        if current == "adaptive":
-            runner = Provisioner(model, recipe, cm)
-            ledger = runner.ledger
-        else:
-            runner = PlanRuntime(model, capacity_bytes=capacity).install()
-            runner.set_plan(_static_plan(current, recipe, cm, batch.tokens, batch.seq_len, warmup))
-            ledger = runner.ledger
+        if runner is None:  # installed once per policy; again only after a restart
+            if current == "adaptive":
+                runner = Provisioner(model, recipe, cm)
+            else:
+                runner = PlanRuntime(model, capacity_bytes=capacity).install()
+                runner.set_plan(_static_plan(current, recipe, cm, batch.tokens, batch.seq_len, warmup))
+        ledger = runner.ledger
         start, losses = time.perf_counter(), {}
         try:
             for step in one_f_one_b(pipe.pp, pipe.rank, pipe.micro_batches):
@@ -163,11 +163,14 @@ def run_policy(policy: str, recipe: Recipe, steps: int, restart_iterations: int 
             mean = sum(iteration_times) / len(iteration_times) if iteration_times else time.perf_counter() - start
             result.seconds += restart_iterations * mean  # a cold restart, then the conservative policy
             current = "full_recompute"
+            runner.remove()
+            runner = None
         finally:
             result.peak_device_bytes = max(result.peak_device_bytes, ledger.peak_device_bytes)
-            if isinstance(runner, Provisioner):
-                result.planner_ms += sum(e["planner_s"] for e in runner.events) * 1e3
-            runner.remove()
+    if isinstance(runner, Provisioner):
+        result.planner_ms = sum(e["planner_s"] for e in runner.events) * 1e3
+    if runner is not None:
+        runner.remove()
     set_expert_parallel(adapter, 1, 0)
     return result
 

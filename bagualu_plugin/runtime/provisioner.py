@@ -41,7 +41,8 @@ class Provisioner:
         pipe = recipe.pipeline
         capacity = recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes
         self.warmup = min(pipe.pp - pipe.rank, pipe.micro_batches)
-        self.budgets = BudgetState.start(capacity, self.stage.static_bytes, self.stage.min_budget, self.warmup)
+        self._first = BudgetState.start(capacity, self.stage.static_bytes, self.stage.min_budget, self.warmup)
+        self.budgets = self._first
         balanced = self.stage.tokens * self.stage.cost.pairs_per_token
         self.planner = CachedPlanner(  # cache buckets: 1/16 of M0 and of the balanced routing
             self.stage.cost,
@@ -71,6 +72,8 @@ class Provisioner:
         """Budget and plan micro-batch `mb` for balanced routing; its saved tensors go through the
         plan until `end_forward`."""
         start = time.perf_counter()
+        if mb == 0:  # a new iteration: Algorithm 1 starts over
+            self.budgets = self._first
         budget = self.budgets.budget(mb)
         # plan for the common case (97.1% of iterations stay under normal_max_imbalance, §II-B);
         # heavier routing is caught at the gate
