@@ -47,11 +47,6 @@ class Stage:
         return self.recipe.hardware.capacity_bytes
 
     @property
-    def activation_capacity(self) -> int:
-        """What activations may use: capacity less the reserve and the non-activation bytes."""
-        return self.capacity - self.recipe.budget.reserve_bytes - self.static_bytes
-
-    @property
     def options(self) -> MitigationOptions:
         s = self.recipe.strategies
         return MitigationOptions(fp8_block_size=s.fp8.block_size, offload_min_bytes=s.offload.min_bytes)

@@ -89,8 +89,7 @@ def plan_micro_batch(
             )
         _, ops, strategy, block_plan, trial_parts, trial_holding, cost = best
         trial = {**plan, **dict.fromkeys(ops, strategy)}
-        before = {(c.layer, c.tensor) for c in conflicts(Plan(plan), cm)}
-        if any((c.layer, c.tensor) not in before for c in conflicts(Plan(trial), cm)):
+        if conflicts(Plan(trial), cm):  # the applied plan has none: only conflict-free trials apply
             candidates.remove((ops, strategy))  # conflicts with a larger reduction already applied
             continue
         plan, parts, holding, current, steps = trial, trial_parts, trial_holding, cost, steps + 1

@@ -286,15 +286,6 @@ def _recomputed(module: nn.Module, forward: Callable, config) -> Callable:
     return recomputed
 
 
-def _validated(adapter: Adapter, plan: Mapping) -> Plan:
-    plan = plan if isinstance(plan, Plan) else Plan(plan)
-    known = set(adapter.ops())
-    unknown = [str(op) for op in plan if op not in known]
-    if unknown:
-        raise KeyError(f"plan names ops this {adapter.family.model_type} model does not have: {', '.join(unknown)}")
-    return plan
-
-
 class PlanRuntime:
     """The mitigation mechanisms installed on a model once, following a plan that may change
     between micro-batches and even within one, at the gate (deferred planning, paper §V-A):
@@ -323,6 +314,7 @@ class PlanRuntime:
         )
         self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options)
         self._regions: set[tuple[int, tuple[str, ...]]] = set()
+        self._ops = frozenset(self.adapter.ops())  # set_plan runs per micro-batch: list them once
         self._stack: ExitStack | None = None
 
     @property
@@ -331,7 +323,10 @@ class PlanRuntime:
 
     def set_plan(self, plan: Mapping) -> None:
         """Follow `plan` from now on (validated first: unknown ops, units that cannot recompute)."""
-        plan = _validated(self.adapter, plan)
+        plan = plan if isinstance(plan, Plan) else Plan(plan)
+        unknown = [str(op) for op in plan if op not in self._ops]
+        if unknown:
+            raise KeyError(f"plan names ops this {self.adapter.family.model_type} model does not have: {', '.join(unknown)}")
         regions = set()
         for layer in {op.layer for op in plan if plan[op] == "recompute"}:
             wanted = {op.name for op in plan if op.layer == layer and plan[op] == "recompute"}

@@ -95,19 +95,23 @@ class _ForwardClock:
         tracker.listeners.append(self._enter)
 
     def _enter(self, op: OpId) -> None:
+        now = self._close()
+        if op not in self.seconds:
+            self.order.append(op)
+            self.seconds[op] = 0.0
+        self._last = (op, now)
+
+    def _close(self) -> float:
+        """Charge the running op up to now; returns now."""
         now = time.perf_counter()
         if self._last is not None:
             prev, since = self._last
-            self.seconds[prev] = self.seconds.get(prev, 0.0) + now - since
-        if op not in self.seconds:
-            self.order.append(op)
-            self.seconds.setdefault(op, 0.0)
-        self._last = (op, now)
+            self.seconds[prev] += now - since
+        return now
 
     def stop(self) -> None:
-        self._enter(OpId(10**9, "<end>"))
-        self.seconds.pop(OpId(10**9, "<end>"))
-        self.order.pop()
+        self._close()
+        self._last = None
 
 
 @contextmanager
