@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from .config import RecipeError, load_recipe
 from .costmodel import MITIGATIONS, Curve, OpId
-from .report import plot_curves, table
+from .report import plot_curves, plot_timeline, table
 from .stage import Stage
 from .units import fmt_bytes, fmt_seconds
 
@@ -43,6 +43,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="MB:IMBALANCE",
         help="also draw the curve with micro-batch MB routing IMBALANCE x the balanced pairs to this device (repeatable)",
     )
+    d = sub.add_parser("demo", help="adaptive provisioning against static policies on a tiny MoE with routing spikes (§VI-C)")
+    d.add_argument("recipe", nargs="?", default="demo", metavar="RECIPE", help="a demo recipe (default: the built-in demo)")
+    d.add_argument("--steps", type=_positive("--steps"), default=20, help="training iterations per policy (default 20)")
+    d.add_argument(
+        "--policies", type=_policies, default=None, metavar="P,P,...", help="a subset of adaptive,none,full_recompute,static_average,static_worst"
+    )
+    d.add_argument("--png", default="demo-timeline.png", help="where to write the memory timeline (default: demo-timeline.png)")
+    d.add_argument("--json", default=None, metavar="FILE", help="also write the numbers of every policy as JSON")
+    d.add_argument("--seed", type=int, default=0, help="model and batch seed (the spike schedule has the recipe's)")
+
     pr = sub.add_parser("profile", help="fit the cost model to a saved HF MoE model by running it (paper §IV)")
     pr.add_argument("--model", required=True, metavar="DIR", help="a save_pretrained directory (loaded offline)")
     pr.add_argument("--tokens", required=True, type=_counts, metavar="T,T,...", help="token counts to run, e.g. 128,256,512")
@@ -53,6 +63,29 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--ep-rank", type=int, default=0, metavar="RANK")
     pr.add_argument("--repeats", type=int, default=3, help="timing repeats per run (median)")
     return p
+
+
+def _positive(flag: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be >= 1, got {text!r}")
+        return value
+
+    return parse
+
+
+def _policies(text: str) -> list[str]:
+    from .demo import POLICIES
+
+    chosen = text.split(",")
+    unknown = [p for p in chosen if p not in POLICIES]
+    if unknown or len(set(chosen)) != len(chosen):
+        raise argparse.ArgumentTypeError(f"--policies expects distinct names from {','.join(POLICIES)}; got {text!r}")
+    return chosen
 
 
 def _counts(text: str) -> list[int]:
@@ -69,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _validate(args.recipes)
         if args.command == "profile":
             return _profile(args)
+        if args.command == "demo":
+            return _demo(args)
         return _curve(args)
     except RecipeError as exc:
         print(exc, file=sys.stderr)
@@ -114,6 +149,57 @@ def _profile(args: argparse.Namespace) -> int:
     print(table(["op", "Δt_f", "Δt_b", "Δm"], rows))
     print(f"\nat T = {max(args.tokens)}: {fmt_bytes(cm.activation_bytes(max(args.tokens)))} saved for backward; wrote {args.out}")
     return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from .demo import POLICIES, run_demo
+
+    recipe = load_recipe(args.recipe)
+    policies = args.policies or list(POLICIES)
+    with tqdm(total=args.steps * len(policies), desc="policy iterations", unit="it") as bar:
+        results = run_demo(recipe, args.steps, policies, seed=args.seed, progress=bar.update)
+    baseline = {r.policy: r for r in results}.get("full_recompute")
+    rows = [_demo_row(r, baseline) for r in results]
+    spikes = recipe.spikes
+    title = (
+        f"{args.recipe}: {args.steps} iterations x {recipe.pipeline.micro_batches} micro-batches of {recipe.batch.tokens} "
+        f"tokens, pipeline rank {recipe.pipeline.rank}/{recipe.pipeline.pp}, EP rank {recipe.parallel.ep_rank}/{recipe.parallel.ep}, "
+        f"spikes in {spikes.spike_probability:.1%} of iterations up to {spikes.spike_max_imbalance}x"
+    )
+    png = plot_timeline(
+        results, args.png, recipe.hardware.capacity_bytes, spikes.normal_max_imbalance, 2 * recipe.pipeline.micro_batches, title
+    )
+    print(title)
+    print(table(
+        ["policy", "steps", "OOMs", "tokens/s", "vs full recompute", "peak device", "capacity", "planner ms/mb"],
+        [[r["policy"], r["steps_completed"], r["ooms"], f"{r['tokens_per_s']:.0f}",
+          "-" if r["vs_full_recompute"] is None else f"{r['vs_full_recompute']:.2f}x",
+          fmt_bytes(r["peak_device_bytes"]), fmt_bytes(r["capacity_bytes"]), f"{r['planner_ms_per_micro_batch']:.2f}"]
+         for r in rows],
+    ))
+    print(f"\nwrote {png}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"recipe": args.recipe, "steps": args.steps, "policies": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _demo_row(result, baseline) -> dict:
+    ratio = result.tokens_per_s / baseline.tokens_per_s if baseline and baseline.tokens_per_s else None
+    return {
+        "policy": result.policy,
+        "steps_completed": result.steps_completed,
+        "ooms": result.ooms,
+        "tokens_per_s": result.tokens_per_s,
+        "vs_full_recompute": ratio,
+        "peak_device_bytes": result.peak_device_bytes,
+        "capacity_bytes": result.capacity_bytes,
+        "planner_ms_per_micro_batch": result.planner_ms_per_micro_batch,
+        "seconds": result.seconds,
+    }
 
 
 def _curve(args: argparse.Namespace) -> int:

@@ -144,6 +144,9 @@ class Spikes(_Section):
     spike_max_imbalance: float = Field(default=2.6, ge=1)
     layers: Literal["all"] | list[_Index] = Field(default="all", description="the MoE layers that may spike")
     micro_batches: list[_Index] | None = Field(default=None, description="None: any micro-batch")
+    restart_iterations: float = Field(
+        default=16, ge=0, description="an OOM's cost to a static baseline: a cold restart, in its mean iterations"
+    )
 
     @model_validator(mode="after")
     def _spike_above_normal(self) -> Spikes:

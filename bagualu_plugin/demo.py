@@ -1,25 +1,26 @@
 """The spike demo: adaptive provisioning against static policies on one real model (paper §II-B,
 §VI-C), on CPU with a simulated device capacity (DESIGN.md section 6).
 
-A tiny GLM-4-MoE runs as rank 0 of a 4-stage 1F1B pipeline and rank 0 of 4 emulated expert-
-parallel ranks, with the recipe's routing spikes (97.1% of iterations under 1.2x, 2.9% up to
-2.6x by default, or as configured). Every policy runs the same iterations:
+A tiny GLM-4-MoE runs as one rank of a 1F1B pipeline and of emulated expert parallelism, with
+the recipe's routing spikes (97.1% of iterations under 1.2x, 2.9% up to 2.6x by default, or as
+configured). Every policy runs the same iterations on its own copy of the model:
 
 - adaptive: `bgl.apply` (per-micro-batch budgets, plans, gate-time escalation);
 - none: nothing mitigated (under-provisioned);
 - full_recompute: every decoder layer recomputed (over-provisioned);
 - static_average / static_worst: one per-op plan for all micro-batches, sized by Algorithm 2 for
-  balanced routing (AdaPipe-like) or for the largest spike.
+  the normal band (AdaPipe-like) or for the largest spike.
 
 A static policy that runs out of memory is handled as the paper does: the OOM is counted, a
-restart costs `restart_iterations` times its mean iteration time, and it continues with full
-recompute.
+restart costs `spikes.restart_iterations` times its mean iteration time, and it continues with
+full recompute. Policies take turns iteration by iteration, so a slow spell of a shared machine
+costs them all alike and the throughput ratios of one run can be trusted.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -49,14 +50,22 @@ class PolicyResult:
     ooms: int
     seconds: float  # compute time plus charged restarts
     tokens: int
-    peak_device_bytes: int
+    peak_device_bytes: int  # static bytes plus the activation peak
     capacity_bytes: int
-    planner_ms: float = 0.0
-    timeline: list[dict] = field(default_factory=list)  # per forward: budget, actual, spike
+    forwards: int = 0
+    planner_s: float = 0.0
+    # one entry per forward or backward: iteration, micro_batch, kind, live and peak device bytes,
+    # spike (the micro-batch's largest imbalance), ceiling (adaptive forwards: the bytes before it
+    # plus its budget), oom
+    timeline: list[dict] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def planner_ms_per_micro_batch(self) -> float:
+        return self.planner_s * 1e3 / self.forwards if self.forwards else 0.0
 
 
 def demo_model(dims: ModelDims, seed: int = 0):
@@ -79,103 +88,162 @@ def demo_model(dims: ModelDims, seed: int = 0):
     )
 
 
-def _static_plan(policy: str, recipe: Recipe, cm: CostModel, tokens: int, seq_len: int, warmup: int) -> Plan:
+def demo_cost(recipe: Recipe, seed: int = 0) -> CostModel:
+    """The demo model's cost model, profiled as the emulation runs (its routing and remote
+    experts included), so predicted bytes are exact."""
+    model, par, tokens = demo_model(recipe.model, seed), recipe.parallel, recipe.batch.tokens
+    return profile(model, [tokens // 4, tokens // 2, tokens], ep_size=par.ep, ep_rank=par.ep_rank, repeats=1)
+
+
+def _static_plan(policy: str, recipe: Recipe, cm: CostModel, warmup: int) -> Plan:
     if policy == "none":
         return Plan()
     if policy == "full_recompute":
         return Plan(cm.full_recompute())
-    share = (recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes) // warmup
-    imbalance = recipe.spikes.normal_max_imbalance if policy == "static_average" else recipe.spikes.spike_max_imbalance
+    share = (recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes - _static_bytes(recipe)) // warmup
+    spikes, tokens = recipe.spikes, recipe.batch.tokens
+    imbalance = spikes.normal_max_imbalance if policy == "static_average" else spikes.spike_max_imbalance
     routed = [tokens * cm.pairs_per_token * imbalance] * len(cm.moe_layers)
-    return plan_micro_batch(cm, share, tokens, routed, seq_len, recipe.strategies.allowed).plan
+    return plan_micro_batch(cm, share, tokens, routed, recipe.batch.seq_len, recipe.strategies.allowed).plan
 
 
-def run_policy(policy: str, recipe: Recipe, steps: int, restart_iterations: int = 16, seed: int = 0) -> PolicyResult:
-    """`steps` training iterations of pipeline rank 0 under `policy` (see the module docstring)."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    pipe, par, batch = recipe.pipeline, recipe.parallel, recipe.batch
-    model = demo_model(recipe.model, seed)
-    adapter = Adapter(model)
-    set_expert_parallel(adapter, par.ep, par.ep_rank)
-    # profiled as the emulation runs (its routing hook and remote experts included): exact bytes
-    cm = profile(model, [batch.tokens // 4, batch.tokens // 2, batch.tokens], ep_size=par.ep, ep_rank=par.ep_rank, repeats=1)
-    set_expert_parallel(adapter, par.ep, par.ep_rank)
-    schedule = imbalance_schedule(recipe.spikes, steps, pipe.micro_batches, cm.moe_layers)
-    generator = torch.Generator().manual_seed(seed)
-    batches = [
-        torch.randint(0, recipe.model.vocab_size, (batch.micro_batch_size, batch.seq_len), generator=generator)
-        for _ in range(pipe.micro_batches)
-    ]
-    capacity = recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes
-    warmup = min(pipe.pp - pipe.rank, pipe.micro_batches)
-    result = PolicyResult(policy, 0, 0, 0.0, 0, 0, recipe.hardware.capacity_bytes)
-    current, runner = policy, None
-    iteration_times: list[float] = []
-    for it in range(steps):
-        if runner is None:  # installed once per policy; again only after a restart
-            if current == "adaptive":
-                runner = Provisioner(model, recipe, cm)
-            else:
-                runner = PlanRuntime(model, capacity_bytes=capacity).install()
-                runner.set_plan(_static_plan(current, recipe, cm, batch.tokens, batch.seq_len, warmup))
-        ledger = runner.ledger
-        start, losses = time.perf_counter(), {}
+def _static_bytes(recipe: Recipe) -> int:
+    value = recipe.budget.non_activation_bytes
+    if value == "auto":
+        raise ValueError("the demo needs budget.non_activation_bytes as a number (its model's weights are not on the simulated device)")
+    return value
+
+
+class PolicyRun:
+    """One policy's model, runtime and counters; `iteration(it)` runs one training iteration."""
+
+    def __init__(self, policy: str, recipe: Recipe, cost: CostModel, schedule: list, batches: list, seed: int = 0):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.recipe, self.cost, self.schedule, self.batches = recipe, cost, schedule, batches
+        self.model = demo_model(recipe.model, seed)
+        self.adapter = Adapter(self.model)
+        set_expert_parallel(self.adapter, recipe.parallel.ep, recipe.parallel.ep_rank)
+        pipe = recipe.pipeline
+        self.warmup = min(pipe.pp - pipe.rank, pipe.micro_batches)
+        self.current, self.runner = policy, None
+        self.static = _static_bytes(recipe)
+        self.result = PolicyResult(policy, 0, 0, 0.0, 0, 0, recipe.hardware.capacity_bytes)
+        self._times: list[float] = []
+
+    def _install(self) -> None:
+        if self.current == "adaptive":
+            self.runner = Provisioner(self.model, self.recipe, self.cost)
+            return
+        capacity = self.recipe.hardware.capacity_bytes - self.recipe.budget.reserve_bytes
+        self.runner = PlanRuntime(self.model, capacity_bytes=capacity, static_bytes=self.static).install()
+        self.runner.set_plan(_static_plan(self.current, self.recipe, self.cost, self.warmup))
+
+    def iteration(self, it: int) -> None:
+        """One iteration of pipeline rank `pipeline.rank`; an OOM restarts with full recompute."""
+        if self.runner is None:  # installed once; again only after a restart
+            self._install()
+        pipe, par, batch, result = self.recipe.pipeline, self.recipe.parallel, self.recipe.batch, self.result
+        ledger, adaptive = self.runner.ledger, self.current == "adaptive"
+        start, losses, step = time.perf_counter(), {}, None
         try:
             for step in one_f_one_b(pipe.pp, pipe.rank, pipe.micro_batches):
-                mb = step.micro_batch
-                imbalance = schedule[it][mb]
-                # the micro-batch's routing skew also stays for its backward: a recompute must
-                # route exactly as the forward did
-                skews = [
-                    RoutingSkew(adapter, skew_fraction(min(x, par.ep), par.ep), par.ep, par.ep_rank, layers=[layer])
-                    for layer, x in imbalance.items()
-                ]
+                mb, imbalance = step.micro_batch, self.schedule[it][step.micro_batch]
+                ledger.reset_peak()
+                entry = {"iteration": it, "micro_batch": mb, "kind": step.kind, "spike": max(imbalance.values())}
+                # the micro-batch's routing skew stays for its backward: a recompute routes as the forward did
                 with ExitStack() as stack:
-                    for skew in skews:
-                        stack.enter_context(skew)
+                    for layer, x in imbalance.items():
+                        fraction = skew_fraction(min(x, par.ep), par.ep)
+                        stack.enter_context(RoutingSkew(self.adapter, fraction, par.ep, par.ep_rank, layers=[layer]))
                     if step.kind == "B":
                         losses.pop(mb).backward()
-                        if current == "adaptive":
-                            runner.end_backward(mb)
-                        continue
-                    if current == "adaptive":
-                        runner.begin_forward(mb, batch.tokens, batch.seq_len)
+                        if adaptive:
+                            self.runner.end_backward(mb)
+                    elif adaptive:
+                        before = self.static + ledger.live_device_bytes
+                        self.runner.begin_forward(mb, batch.tokens, batch.seq_len)
                         try:
-                            losses[mb] = model(input_ids=batches[mb], labels=batches[mb]).loss
+                            losses[mb] = self._loss(mb)
                         finally:
-                            runner.end_forward(mb)
+                            self.runner.end_forward(mb)
+                        event = self.runner.events[-1]  # what Algorithm 1 allowed, with what later warmup
+                        given = sum(d["overrun"] for d in event["deferred"])  # micro-batches gave up
+                        entry["ceiling"] = before + event["budget"] + given
                     else:
                         ledger.micro_batch = mb
-                        with runner.forward():
-                            losses[mb] = model(input_ids=batches[mb], labels=batches[mb]).loss
-                result.timeline.append(
-                    {"iteration": it, "micro_batch": mb, "live": ledger.live_device_bytes, "spike": max(imbalance.values())}
-                )
+                        with self.runner.forward():
+                            losses[mb] = self._loss(mb)
+                entry.update(live=self.static + ledger.live_device_bytes, peak=self.static + ledger.peak_device_bytes)
+                result.timeline.append(entry)
             elapsed = time.perf_counter() - start
-            iteration_times.append(elapsed)
+            self._times.append(elapsed)
             result.seconds += elapsed
             result.steps_completed += 1
             result.tokens += batch.tokens * pipe.micro_batches
-        except SimulatedOutOfMemoryError:
+        except SimulatedOutOfMemoryError as oom:
             losses.clear()
             result.ooms += 1
-            mean = sum(iteration_times) / len(iteration_times) if iteration_times else time.perf_counter() - start
-            result.seconds += restart_iterations * mean  # a cold restart, then the conservative policy
-            current = "full_recompute"
-            runner.remove()
-            runner = None
+            result.timeline.append(
+                {"iteration": it, "micro_batch": step.micro_batch, "kind": step.kind, "oom": True,
+                 "spike": max(self.schedule[it][step.micro_batch].values()),
+                 "live": self.static + oom.live_bytes, "peak": self.static + oom.live_bytes + oom.requested_bytes}
+            )
+            mean = sum(self._times) / len(self._times) if self._times else time.perf_counter() - start
+            result.seconds += self.recipe.spikes.restart_iterations * mean  # a cold restart
+            self.close()
+            self.current = "full_recompute"  # then the conservative policy
         finally:
-            result.peak_device_bytes = max(result.peak_device_bytes, ledger.peak_device_bytes)
-    if isinstance(runner, Provisioner):
-        result.planner_ms = sum(e["planner_s"] for e in runner.events) * 1e3
-    if runner is not None:
-        runner.remove()
-    set_expert_parallel(adapter, 1, 0)
-    return result
+            result.peak_device_bytes = max([result.peak_device_bytes, *(e["peak"] for e in result.timeline if not e.get("oom"))])
+
+    def _loss(self, mb: int) -> torch.Tensor:
+        ids = self.batches[mb]
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def close(self) -> PolicyResult:
+        if isinstance(self.runner, Provisioner):
+            self.result.forwards += len(self.runner.events)
+            self.result.planner_s += sum(e["planner_s"] for e in self.runner.events)
+        if self.runner is not None:
+            self.runner.remove()
+            self.runner = None
+        return self.result
 
 
-def run_demo(recipe: Recipe, steps: int, policies: Sequence[str] = POLICIES, progress: bool = False) -> list[PolicyResult]:
-    from tqdm.auto import tqdm
+def run_demo(
+    recipe: Recipe,
+    steps: int,
+    policies: Sequence[str] = POLICIES,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> list[PolicyResult]:
+    """`steps` iterations of every policy on the same batches and spike schedule, the policies
+    taking turns each iteration. `progress(n)` is called after every policy iteration."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        raise ValueError(f"policies must be a non-empty subset of {POLICIES}, got {list(policies)}")
+    cost = demo_cost(recipe, seed)
+    schedule = imbalance_schedule(recipe.spikes, steps, recipe.pipeline.micro_batches, cost.moe_layers)
+    generator = torch.Generator().manual_seed(seed)
+    batch = recipe.batch
+    batches = [
+        torch.randint(0, recipe.model.vocab_size, (batch.micro_batch_size, batch.seq_len), generator=generator)
+        for _ in range(recipe.pipeline.micro_batches)
+    ]
+    runs = [PolicyRun(p, recipe, cost, schedule, batches, seed) for p in policies]
+    try:
+        for it in range(steps):
+            for run in runs:
+                run.iteration(it)
+                if progress:
+                    progress(1)
+    finally:
+        results = [run.close() for run in runs]
+    return results
 
-    return [run_policy(p, recipe, steps) for p in tqdm(policies, desc="policies", disable=not progress)]
+
+def run_policy(policy: str, recipe: Recipe, steps: int, seed: int = 0) -> PolicyResult:
+    """`steps` iterations of one policy (see `run_demo`)."""
+    return run_demo(recipe, steps, [policy], seed)[0]

@@ -9,6 +9,7 @@ from pathlib import Path
 from .costmodel import Curve
 
 _GIB = 2**30
+_MIB = 2**20
 _PHASE_COLOURS = {"warmup": "#dbe9f6", "steady": "#e3f1dc", "cooldown": "#f6e3d6"}
 
 
@@ -71,3 +72,56 @@ def plot_curves(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_timeline(
+    results: Sequence, path: str | Path, capacity: float, normal_max: float, steps: int, title: str
+) -> Path:
+    """Device memory of every demo policy, step by step (`demo.PolicyResult.timeline`): the peak of
+    each forward or backward, the capacity, the adaptive budgets, spiking micro-batches shaded,
+    OOMs crossed. `steps`: forwards and backwards per iteration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 5.5))
+    colours = ("#1f4e79", "#c0392b", "#7f8c8d", "#d35400", "#7d3c98", "#117a65")
+    spiked, ooms = set(), []
+    for result, colour in zip(results, colours):
+        xs, ys, ceilings = [], [], []
+        for x, entry in _positions(result.timeline, steps):
+            xs.append(x)
+            ys.append(entry["peak"] / _MIB)
+            if entry["spike"] > normal_max and entry["kind"] == "F":
+                spiked.add(round(x, 6))
+            if "ceiling" in entry:
+                ceilings.append((x, entry["ceiling"] / _MIB))
+            if entry.get("oom"):
+                ooms.append((x, entry["peak"] / _MIB, colour))
+        ax.plot(xs, ys, color=colour, lw=1.0, label=result.policy, zorder=3)
+        if ceilings:
+            ax.plot(*zip(*ceilings), "_", color=colour, ms=7, label=f"{result.policy}: budget (Algorithm 1)", zorder=4)
+    for n, x in enumerate(sorted(spiked)):
+        ax.axvspan(x - 1 / steps, x, color="#f9e79f", zorder=0, label="routing spike" if n == 0 else None)
+    for n, (x, y, colour) in enumerate(ooms):
+        ax.plot(x, y, "x", color=colour, ms=9, mew=2, zorder=5, label="OOM (restart)" if n == 0 else None)
+    ax.axhline(capacity / _MIB, color="#c0392b", ls="--", lw=1.5, label=f"capacity {capacity / _MIB:.1f} MiB")
+    ax.set_xlabel("iteration (each forward and backward of pipeline rank's 1F1B schedule)")
+    ax.set_ylabel("device memory (MiB): peak of each step")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+
+def _positions(timeline: Sequence[dict], steps: int):
+    """(x, entry): x = iteration + the step's place among the `steps` of its iteration."""
+    place: dict[int, int] = {}
+    for entry in timeline:
+        i = place[entry["iteration"]] = place.get(entry["iteration"], 0) + 1
+        yield entry["iteration"] + i / steps, entry

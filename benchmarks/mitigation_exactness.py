@@ -1,7 +1,8 @@
 """Exactness of per-operator mitigation on real (tiny) HF MoE models (paper §IV-B, §V-A).
 
 For every family and dtype, each op is offloaded, quantised (FP8 e4m3, blockwise scales of 128)
-and recomputed (its recompute unit) on its own, then every op at once, against the unmitigated
+and recomputed on its own (attention's ops and Qwen2-MoE's shared expert through their spans),
+each recompute unit is recomputed, then every op at once, against the unmitigated
 run of the same micro-batch (2 x 48 tokens). Offload and recompute must give bitwise-equal loss
 and gradients; FP8 and int8 storage change only what backward reads, so the loss stays bitwise
 and the gradient error (relative L2 norm over all parameters) is reported. The saved bytes the
@@ -22,7 +23,7 @@ from bagualu_plugin.adapters import FAMILIES, Adapter, tiny_model
 from bagualu_plugin.costmodel import OpId
 from bagualu_plugin.costmodel.mitigation import MitigationOptions
 from bagualu_plugin.report import table
-from bagualu_plugin.runtime.mitigation import apply_plan, block_units, model_cost
+from bagualu_plugin.runtime.mitigation import apply_plan, block_spans, block_units, model_cost
 
 IDS = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
 
@@ -48,6 +49,8 @@ def row(family: str, dtype: torch.dtype) -> list:
     adapter = Adapter(model)
     blocks = [-1, *(layer.index for layer in adapter.layers), adapter.head_index]
     units = [tuple(OpId(b, n) for n in u) for b in blocks for u in block_units(adapter, b)]
+    units += [(OpId(b, n),) for b in blocks for span in block_spans(adapter, b) for n in span]
+    units = list(dict.fromkeys(units))
     ops = bgl.list_ops(model)
     plans = [{op: s} for op in ops for s in ("offload", "fp8")] + [dict.fromkeys(u, "recompute") for u in units]
     plans += [dict.fromkeys(ops, "offload"), dict.fromkeys(ops, "fp8"), cm.full_recompute()]

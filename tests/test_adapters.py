@@ -508,3 +508,21 @@ def test_routing_skew_fraction_and_arguments():
         RoutingSkew(dense_first, 0.5, 2, 0, layers=1)
     skew = RoutingSkew(dense_first, 1.0, 2, 0, layers=[2])
     assert [layer.index for layer in skew.layers] == [2]
+
+
+@pytest.mark.parametrize("ep_size, top_k", [(4, 4), (4, 3), (2, 4), (8, 4)])
+def test_routing_skew_rewrite_keeps_each_token_on_distinct_experts(ep_size, top_k):
+    """16 experts: while the rank hosts at least k of them, no token lists one expert twice, and
+    every selected remote pair lands on a local expert."""
+    model = tiny_model("mixtral", num_local_experts=16, num_experts_per_tok=top_k)
+    skew = RoutingSkew(model, 0.7, ep_size, 1)
+    generator = torch.Generator().manual_seed(0)
+    index = torch.stack([torch.randperm(16, generator=generator)[:top_k] for _ in range(300)])
+    for layer in (0, 1):
+        new = skew.rewrite(index, layer)
+        local = skew.local[layer]
+        moved = skew.mask(300, top_k, layer) & ((index < local.start) | (index >= local.stop))
+        assert torch.equal(new[~moved], index[~moved])
+        assert bool(((new[moved] >= local.start) & (new[moved] < local.stop)).all())
+        distinct = torch.sort(new, dim=1).values.diff(dim=1).ne(0).all(dim=1)
+        assert bool(distinct.all()) == (len(local) >= top_k)

@@ -58,3 +58,31 @@ def test_bad_arguments_are_named():
     assert done.returncode != 0 and "--spike micro-batch 99" in done.stderr
     done = _run("curve", "no-such-recipe")
     assert done.returncode == 2 and "built-in recipes" in done.stderr
+
+
+def test_demo_writes_table_timeline_and_json(tmp_path):
+    png, out = tmp_path / "timeline.png", tmp_path / "demo.json"
+    done = _run("demo", "--steps", "2", "--policies", "adaptive,none", "--png", str(png), "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "vs full recompute" in done.stdout and "planner ms/mb" in done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = json.loads(out.read_text())["policies"]
+    assert [r["policy"] for r in rows] == ["adaptive", "none"]
+    for r in rows:
+        assert {"policy", "steps_completed", "ooms", "tokens_per_s", "peak_device_bytes", "capacity_bytes"} <= set(r)
+        assert r["steps_completed"] + r["ooms"] == 2
+    assert rows[0]["ooms"] == 0 and rows[0]["peak_device_bytes"] <= rows[0]["capacity_bytes"]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--policies", "adaptive,greedy"], "--policies expects distinct names"),
+        (["--policies", "none,none"], "--policies expects distinct names"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["no-such-recipe"], "no-such-recipe"),
+    ],
+)
+def test_demo_rejects_bad_arguments(args, message):
+    done = _run("demo", *args)
+    assert done.returncode == 2 and message in done.stderr

@@ -93,6 +93,7 @@ def test_good_recipe_values_and_defaults() -> None:
     assert (minimal.strategies.fp8.block_size, minimal.strategies.offload.min_bytes) == (128, 2**20)
     assert (minimal.spikes.enabled, minimal.spikes.layers, minimal.telemetry.path) == (False, "all", None)
     assert (minimal.spikes.spike_probability, minimal.spikes.spike_max_imbalance) == (0.029, 2.6)
+    assert minimal.spikes.restart_iterations == 16
 
 
 # Table II of the paper: name, hidden, MoE hidden, experts, top-k, head dim, GPUs, DP, TP, EP, PP, VP.
@@ -182,6 +183,7 @@ BAD = [
     ("min-budget-bad-unit", {"budget__min_budget": "1 GiBs"}, "budget.min_budget", "cannot read '1 GiBs'"),
     ("spike-probability-over-1", {"spikes__spike_probability": 1.5}, "spikes.spike_probability", "got 1.5"),
     ("spike-below-normal", {"spikes__spike_max_imbalance": 1.1}, "spikes.spike_max_imbalance", "(1.2)"),
+    ("restart-negative", {"spikes__restart_iterations": -1}, "spikes.restart_iterations", "greater than or equal to 0"),
     ("spike-layer-dense", {"spikes__layers": [1, 0]}, "spikes.layers.1", "layer 0 is not an MoE layer"),
     ("spike-layer-negative", {"spikes__layers": [-1]}, "spikes.layers.0", "greater than or equal to 0"),
     ("spike-micro-batch-range", {"spikes__micro_batches": [0, 16]}, "spikes.micro_batches.1", "16 must be <"),

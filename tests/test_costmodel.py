@@ -1,5 +1,6 @@
 """The cost model (paper §IV) against hand-computed cases."""
 
+import dataclasses
 import math
 
 import pytest
@@ -22,6 +23,7 @@ from bagualu_plugin.costmodel import (
     iteration_curve,
     one_f_one_b,
 )
+from bagualu_plugin.costmodel.mitigation import Region, recompute_regions
 from bagualu_plugin.costmodel.roofline import fp8_roofline, offload_roofline
 from bagualu_plugin.hardware import HardwareSpec, preset
 
@@ -184,6 +186,20 @@ def test_recompute_one_op_drops_its_internals_and_adds_its_forward():
 def test_recompute_run_keeps_only_region_inputs():
     fp = footprint(_block(), {"a": "recompute", "b": "recompute", "c": "recompute"}, LOAD, _hw())
     assert fp.device_bytes == FULL  # M0: only the block input x
+    assert fp.backward_extra_s == pytest.approx(1e-6 * T + 3e-6 * T + 1e-3)
+
+
+def test_recompute_through_a_span_replays_it_and_drops_only_the_recomputed_ops_saves():
+    block = dataclasses.replace(_block(), units=(("a",),), spans=(("a", "b", "c"),))
+    # c alone: the span replays a, b, c from x; z (made by b) and i go, y stays for b
+    fp = footprint(block, {"c": "recompute"}, LOAD, _hw())
+    assert fp.device_bytes == 3 * FULL
+    assert fp.backward_extra_s == pytest.approx(1e-6 * T + 3e-6 * T + 1e-3)
+    # a span takes over the units inside it: one region, one replay
+    plan = {"a": "recompute", "c": "recompute"}
+    assert recompute_regions(block, plan) == [Region(("a", "b", "c"), ("a", "c"))]
+    fp = footprint(block, plan, LOAD, _hw())
+    assert fp.device_bytes == 2 * FULL  # x held, y kept by b
     assert fp.backward_extra_s == pytest.approx(1e-6 * T + 3e-6 * T + 1e-3)
 
 

@@ -1,15 +1,37 @@
 """The spike demo's policies on the built-in demo recipe (short runs; numbers live in benchmarks)."""
 
+import pytest
+
 from bagualu_plugin import load_recipe
-from bagualu_plugin.demo import run_policy
+from bagualu_plugin.demo import run_demo, run_policy
+
+
+def spiky(**spikes):
+    recipe = load_recipe("demo")
+    return recipe.model_copy(update={"spikes": recipe.spikes.model_copy(update=spikes)})
 
 
 def test_adaptive_survives_spikes_that_crash_the_unmitigated_policy():
-    recipe = load_recipe("demo")
-    spiky = recipe.model_copy(update={"spikes": recipe.spikes.model_copy(update={"spike_probability": 1.0, "spike_max_imbalance": 2.6, "normal_max_imbalance": 1.2})})
-    adaptive = run_policy("adaptive", spiky, steps=2)
+    recipe = spiky(spike_probability=1.0, spike_max_imbalance=2.6, normal_max_imbalance=1.2)
+    adaptive, none = run_demo(recipe, steps=2, policies=["adaptive", "none"])
     assert adaptive.ooms == 0 and adaptive.steps_completed == 2
     assert adaptive.peak_device_bytes <= recipe.hardware.capacity_bytes
-    none = run_policy("none", spiky, steps=2)
+    assert all(e["peak"] <= recipe.hardware.capacity_bytes for e in adaptive.timeline)
+    forwards = [e for e in adaptive.timeline if e["kind"] == "F"]
+    assert len(forwards) == 2 * recipe.pipeline.micro_batches == adaptive.forwards
+    assert all(e["live"] <= e["ceiling"] for e in forwards)  # each forward stays within its budget
     assert none.ooms >= 1  # then it restarts with full recompute, as the paper's baselines do
     assert none.steps_completed == 2 - none.ooms
+    assert [e for e in none.timeline if e.get("oom")][0]["peak"] > recipe.hardware.capacity_bytes
+
+
+def test_restart_is_charged_and_policies_are_checked():
+    recipe = spiky(spike_probability=1.0, restart_iterations=0)
+    free = run_policy("none", recipe, steps=2)
+    charged = run_policy("none", spiky(spike_probability=1.0, restart_iterations=1000), steps=2)
+    assert free.ooms == charged.ooms >= 1
+    assert charged.seconds > free.seconds + 100 * (free.seconds / 2)
+    with pytest.raises(ValueError, match="policies must be"):
+        run_demo(recipe, 1, ["adaptive", "greedy"])
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        run_demo(recipe, 0)

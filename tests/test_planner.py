@@ -13,13 +13,16 @@ def test_algorithm_1_by_hand():
     assert s.budget(0) == (100 - 20 - 4 * 5) // 4 + 5 == 20
     s = s.after_forward(0, 18)  # actual replaces the budget: used 38
     assert s.budget(1) == (100 - 38 - 3 * 5) // 3 + 5 == 20
+    assert s.headroom(1) == 100 - 38 - 2 * 5 - 20 == 32  # what micro-batches 2 and 3 can give up
     s = s.after_forward(1, 25)  # a spike: the later warmup budgets shrink, nothing cascades
     assert s.budget(2) == (100 - 63 - 2 * 5) // 2 + 5 == 18
     s = s.after_forward(2, 18)
     assert s.budget(3) == 100 - 81 - 5 + 5 == 19
+    assert s.headroom(3) == 0  # the last warmup micro-batch takes all that is left
     s = s.after_forward(3, 19)  # memory full: 20 + 18 + 25 + 18 + 19
     assert s.used == 100
     assert s.budget(4) == 18  # steady: the backward of micro-batch 0 freed 18
+    assert s.headroom(4) == 0
     s = s.after_forward(4, 10)
     assert s.budget(5) == 100 - (92 - 25) == 33  # micro-batch 1's 25 come back
     assert s.budgets == (18, 25, 18, 19, 10)

@@ -9,8 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import UnsupportedModelError, save_tiny, tiny_model
-from bagualu_plugin.costmodel import CostModel, LinearForm, Load, ModelDims
+from bagualu_plugin.costmodel import CostModel, LinearForm, Load, ModelDims, OpId
 from bagualu_plugin.costmodel.fit import BlockSample, TensorSample, fit_block, fit_linear
+from bagualu_plugin.runtime.mitigation import apply_plan
 from bagualu_plugin.runtime.profiler import measure_micro_batch
 
 
@@ -73,11 +74,29 @@ def test_profile_agrees_with_the_analytic_model(qwen3, qwen3_profile):
         )
 
 
+def test_profile_predicts_ops_recomputed_through_their_spans():
+    """Attention's ops and Qwen2-MoE's gated shared expert recomputed alone (their spans replay the
+    attention module or the MoE block), also beside other strategies: exact to the byte."""
+    model = tiny_model("qwen2_moe", dtype=torch.bfloat16)
+    cm = bgl.profile(model, [32, 64, 128], repeats=1)
+    ids = _ids(2, 48)
+    alone = [OpId(i, n) for i in (0, 1, 2) for n in ("attn_qkv", "attn_core", "attn_out", "shared_expert") if i or n != "shared_expert"]
+    mixed = {OpId(1, "attn_qkv"): "offload", OpId(1, "attn_core"): "recompute", OpId(1, "router"): "fp8"}
+    mixed |= {OpId(1, "shared_expert"): "recompute", OpId(2, "attn_qkv"): "recompute", OpId(2, "attn_out"): "recompute"}
+    for plan in [{op: "recompute"} for op in alone] + [mixed]:
+        with apply_plan(model, plan) as ledger:
+            loss = model(input_ids=ids, labels=ids).loss
+            saved = ledger.live_device_bytes
+        loss.backward()
+        assert saved == cm.activation_bytes(96, seq_len=48, plan=plan), plan
+
+
 def test_profile_round_trips_through_json(qwen3_profile, tmp_path):
     qwen3_profile.save(tmp_path / "cost.json")
     back = CostModel.load(tmp_path / "cost.json")
     assert back.activation_bytes(200, seq_len=50) == qwen3_profile.activation_bytes(200, seq_len=50)
     assert back.micro_batch(200, seq_len=50) == qwen3_profile.micro_batch(200, seq_len=50)
+    assert back.blocks[1].spans == qwen3_profile.blocks[1].spans != ()
 
 
 def test_profile_restores_the_model(qwen3):

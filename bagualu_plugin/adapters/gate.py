@@ -138,10 +138,10 @@ class RoutingSkew:
 
     Which pairs: a pure function of the flat pair position p = token * k + slot and the layer
     (`mask`), with no RNG state, so a checkpoint's recompute routes exactly as the forward did.
-    Selected pairs already on a local expert are kept; the others move to a local expert chosen
-    from a rotation that starts at (token + layer + slot), taking the first one the token does not
-    already use in another slot. Only when the rank hosts fewer experts than the token needs (E/ep
-    < k) can one token list the same expert twice. top_k_weights are kept, so gradients still
+    Selected pairs already on a local expert are kept; the others move to the local experts the
+    token does not use yet, in a rotation that starts at (token + layer): its j-th moved pair takes
+    the j-th free one. Only when the rank hosts fewer experts than the token needs (E/ep < k) can
+    one token list the same expert twice. top_k_weights are kept, so gradients still
     reach the router. Registered before other router hooks, so `GateMonitor` sees the new routing.
     """
 
@@ -197,25 +197,26 @@ class RoutingSkew:
         return (h < math.floor(self.fraction * _HASH_RANGE)).view(num_tokens, top_k)
 
     def rewrite(self, top_k_index: torch.Tensor, layer: int) -> torch.Tensor:
-        """A new (T, k) index with the selected remote pairs moved onto local experts."""
+        """A new (T, k) index with the selected remote pairs moved onto local experts.
+
+        Vectorised over tokens (a few tensor ops per router call, whatever T and k): each token
+        ranks its free local experts by the rotation, and its j-th moved pair takes the j-th."""
         local = self.local[layer]
         lo, n = local.start, len(local)
-        num_experts = n * self.ep_size
         num_tokens, top_k = top_k_index.shape
         device = top_k_index.device
-        remote = (top_k_index >= 0) & (top_k_index < num_experts) & ((top_k_index < lo) | (top_k_index >= lo + n))
+        offset = top_k_index - lo  # position among the local experts, when in [0, n)
+        is_local = (offset >= 0) & (offset < n)
+        remote = (top_k_index >= 0) & (top_k_index < n * self.ep_size) & ~is_local
         move = self.mask(num_tokens, top_k, layer, device) & remote
-        new = top_k_index.clone()
-        token = torch.arange(num_tokens, device=device, dtype=top_k_index.dtype)
-        for slot in range(top_k):
-            others = torch.cat([new[:, :slot], new[:, slot + 1 :]], dim=1)
-            start = (token + layer + slot) % n
-            choice = lo + start  # fallback when every local expert is taken (n < k)
-            found = torch.zeros(num_tokens, dtype=torch.bool, device=device)
-            for r in range(min(n, top_k)):  # the token holds k-1 other experts: k candidates suffice
-                candidate = lo + (start + r) % n
-                free = ~(others == candidate.unsqueeze(1)).any(dim=1) & ~found
-                choice = torch.where(free, candidate, choice)
-                found |= free
-            new[:, slot] = torch.where(move[:, slot], choice, new[:, slot])
-        return new
+        taken = torch.zeros(num_tokens, n + 1, dtype=torch.bool, device=device)  # column n: not local
+        taken.scatter_(1, torch.where(is_local, offset, n), True)
+        token = torch.arange(num_tokens, device=device).unsqueeze(1)
+        rotation = (torch.arange(n, device=device) - token - layer) % n  # 0 = where the token starts
+        order = torch.argsort(rotation + n * taken[:, :n], dim=1)  # free experts first, by rotation
+        nth = (torch.cumsum(move, dim=1) - 1).clamp(min=0)
+        free = (~taken[:, :n]).sum(dim=1, keepdim=True)
+        slot = torch.arange(top_k, device=device)
+        fallback = (token + layer + slot) % n  # more moved pairs than free local experts (n < k)
+        choice = torch.where(nth < free, torch.gather(order, 1, nth.clamp(max=n - 1)), fallback)
+        return torch.where(move, lo + choice.to(top_k_index.dtype), top_k_index)

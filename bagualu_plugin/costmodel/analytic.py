@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..hardware import HardwareSpec
 from .dims import DTYPE_BYTES, ModelDims, Parallel, attention_params
-from .graph import INPUT, BlockGraph, OpSpec, TensorSpec, standard_units
+from .graph import INPUT, BlockGraph, OpSpec, TensorSpec, standard_spans, standard_units
 from .linear import LinearForm
 
 _F32, _I64, _I32 = 4, 8, 4
@@ -87,7 +87,8 @@ class _Block:
         )
         ops = tuple(op.name for op in self.ops)
         units = standard_units(self.kind, ops, shared_alone=self.dims.family != "qwen2_moe")
-        return BlockGraph(self.kind, tuple(self.ops), tensors, self.dense_params, self.expert_params, units)
+        spans = standard_spans(self.kind, ops)
+        return BlockGraph(self.kind, tuple(self.ops), tensors, self.dense_params, self.expert_params, units, spans)
 
     # building pieces shared by several ops ------------------------------------------------
     def rmsnorm(self, prefix: str, producer: str, inp: str, width: int, groups: int = 1) -> list[str]:

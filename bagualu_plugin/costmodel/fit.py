@@ -159,6 +159,7 @@ def fit_block(
     dense_params: int = 0,
     expert_params: int = 0,
     units: tuple[tuple[str, ...], ...] = (),
+    spans: tuple[tuple[str, ...], ...] = (),
 ) -> BlockGraph:
     """A `BlockGraph` whose tensor sizes reproduce every sample exactly (or an error saying which
     tensor does not) and whose op times are least-squares fits."""
@@ -192,4 +193,4 @@ def fit_block(
         )
         for op in first.ops
     )
-    return BlockGraph(first.kind, ops, tuple(tensors), dense_params, expert_params, units)
+    return BlockGraph(first.kind, ops, tuple(tensors), dense_params, expert_params, units, spans)

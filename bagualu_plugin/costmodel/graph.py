@@ -35,14 +35,16 @@ BlockKind = Literal["embed", "dense", "moe", "head"]
 
 ATTENTION_OPS = ("attn_qkv", "attn_core", "attn_out")
 MOE_OPS = ("router", "expert_fc1", "expert_act", "expert_fc2", "shared_expert")
+EXPERT_OPS = ("expert_fc1", "expert_act", "expert_fc2")
 
 
 def standard_units(kind: str, ops: tuple[str, ...], shared_alone: bool = True) -> tuple[tuple[str, ...], ...]:
-    """What a runtime can recompute in HF models (checkpoint regions): the whole decoder layer, its
-    MoE block or dense MLP, attention only as a whole (RoPE and the kernel run inside the
-    attention module's own forward), and each op that is a module or function of its own. The
-    shared expert is alone only where the family has no glue around it (Qwen2-MoE scales it
-    by a sigmoid gate in the MoE block's forward)."""
+    """What a runtime can recompute in HF models by replaying exactly one module or function
+    (checkpoint regions): the whole decoder layer, its MoE block or dense MLP, attention as a
+    whole, the routed experts as a whole (what the gate escalates: the region holds the router's
+    outputs only, nothing per routed pair), and each op that is a module or function of its own. The shared expert is alone only
+    where the family has no glue around it (Qwen2-MoE scales it by a sigmoid gate in the MoE
+    block's forward). Ops inside a span are recomputed alone through the span."""
     if kind == "embed":
         return (("embed",),)
     if kind == "head":
@@ -50,9 +52,22 @@ def standard_units(kind: str, ops: tuple[str, ...], shared_alone: bool = True) -
     alone = {"attn_norm", "mlp_norm", "router", "expert_fc1", "expert_act", "expert_fc2", "dense_mlp"}
     if shared_alone:
         alone.add("shared_expert")
-    units = [ops, tuple(o for o in ops if o in ATTENTION_OPS), tuple(o for o in ops if o in MOE_OPS)]
+    units = [ops, *(tuple(o for o in ops if o in group) for group in (ATTENTION_OPS, MOE_OPS, EXPERT_OPS))]
     units += [(o,) for o in ops if o in alone]
     return tuple(dict.fromkeys(u for u in units if u))
+
+
+def standard_spans(kind: str, ops: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """Op runs that one HF module's forward makes (the attention module, the MoE block), within
+    which any subset of ops can be recomputed: no module or function of HF code computes exactly
+    attn_qkv, attn_core or attn_out (RoPE and the kernel sit inside the attention forward), nor
+    Qwen2-MoE's gated shared expert, and re-implementing those forwards per family would copy HF
+    code that changes with every release. So the runtime replays the span's module and drops only
+    the subset's saves: the region holds the span's inputs, as recomputing the whole span does."""
+    if kind not in ("dense", "moe"):
+        return ()
+    spans = (tuple(o for o in ops if o in ATTENTION_OPS), tuple(o for o in ops if o in MOE_OPS))
+    return tuple(s for s in spans if s)
 
 
 @dataclass(frozen=True, order=True)
@@ -103,6 +118,7 @@ class BlockGraph:
     dense_params: int = 0  # parameters on this device, replicated over data parallel
     expert_params: int = 0  # parameters of this device's experts, replicated over dp * tp / ep
     units: tuple[tuple[str, ...], ...] = ()  # recompute units; () = the whole block or any op alone
+    spans: tuple[tuple[str, ...], ...] = ()  # op runs recomputed in part by replaying them whole
 
     def __post_init__(self) -> None:
         names = [op.name for op in self.ops]
@@ -118,9 +134,9 @@ class BlockGraph:
         for op in self.ops:
             if set(op.inputs) - tensors:
                 raise ValueError(f"op {op.name!r} reads unknown tensors {sorted(set(op.inputs) - tensors)}")
-        for unit in self.units:
+        for unit in (*self.units, *self.spans):
             if set(unit) - set(names):
-                raise ValueError(f"recompute unit {unit} names ops this {self.kind} block lacks")
+                raise ValueError(f"recompute unit or span {unit} names ops this {self.kind} block lacks")
 
     @property
     def recompute_units(self) -> tuple[tuple[str, ...], ...]:

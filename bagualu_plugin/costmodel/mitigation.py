@@ -4,9 +4,11 @@ Strategies act on the tensors an operator saves for backward:
 
 - keep: the saver holds the tensor on the device;
 - recompute: the recomputed operators are covered by the block's recompute units (the whole layer,
-  its MoE block, attention as a whole, single ops), largest first; each unit is one checkpoint
-  region: tensors produced inside it are dropped, its inputs are held, and in backward its
-  forward runs again (Δt_b grows by its Δt_f);
+  its MoE block, attention as a whole, single ops), largest first, and what remains by spans
+  (attention, the MoE block: `graph.standard_spans`); each is one checkpoint region: tensors its
+  recomputed ops save that were made inside it are dropped, its inputs are held, and in backward
+  its forward runs again (Δt_b grows by the Δt_f of all its ops, a span's too: an upper bound,
+  torch stops replaying after the last dropped save);
 - offload: the saver's copy lives on the host; one copy out in forward, one back in backward;
   tensors below `offload_min_bytes` stay on the device;
 - fp8: the saver holds an e4m3 copy with one FP32 scale per block, cast in forward and back in
@@ -59,23 +61,42 @@ class Footprint:
         )
 
 
-def cover(units: Sequence[tuple[str, ...]], wanted: set[str], kind: str) -> list[tuple[str, ...]]:
-    """The recompute units, largest first, that together recompute exactly `wanted`; an op that
-    no unit covers on its own is an error that names the units to use."""
+@dataclass(frozen=True)
+class Region:
+    """One checkpoint: it replays `ops` (a recompute unit or a span) and drops the saves of
+    `dropped` (all of `ops` for a unit); the other ops save as if it were not there."""
+
+    ops: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+
+def cover(
+    units: Sequence[tuple[str, ...]], spans: Sequence[tuple[str, ...]], wanted: set[str], kind: str
+) -> list[Region]:
+    """The checkpoint regions that together recompute exactly `wanted`: whole recompute units,
+    largest first, then one region per span for the rest, which takes over the units inside the
+    span (regions never nest, so a replay runs every module inside it as its forward did); an op
+    that neither covers is an error that names the units to use."""
     wanted, regions = set(wanted), []
     for unit in sorted(units, key=len, reverse=True):
         if set(unit) <= wanted:
-            regions.append(unit)
+            regions.append(Region(unit, unit))
             wanted -= set(unit)
+    for span in spans:
+        if wanted & set(span):
+            inside = [r for r in regions if set(r.ops) < set(span)]
+            dropped = wanted | {op for r in inside for op in r.ops}
+            regions = [r for r in regions if r not in inside] + [Region(span, tuple(o for o in span if o in dropped))]
+            wanted -= set(span)
     if wanted:
         options = ", ".join("+".join(u) for u in units if set(u) & wanted)
         raise ValueError(f"{kind} block: {sorted(wanted)} cannot be recomputed alone; recompute units: {options or 'none'}")
     return regions
 
 
-def recompute_regions(block: BlockGraph, plan: Mapping[str, str]) -> list[tuple[str, ...]]:
+def recompute_regions(block: BlockGraph, plan: Mapping[str, str]) -> list[Region]:
     """The checkpoint regions that realise the plan's recomputed ops in `block`."""
-    return cover(block.recompute_units, {op for op, s in plan.items() if s == "recompute"}, block.kind)
+    return cover(block.recompute_units, block.spans, {op for op, s in plan.items() if s == "recompute"}, block.kind)
 
 
 def stored_form(
@@ -118,15 +139,17 @@ def footprint(
     if bad:
         raise ValueError(f"unknown strategies {sorted(bad)}; expected one of {STRATEGIES}")
 
-    region_of: dict[str, frozenset[str]] = {}
+    region_of: dict[str, frozenset[str]] = {}  # a recomputed op -> the ops its region replays
     held: set[str] = set()  # tensors a checkpoint region keeps as its input
+    replay = 0.0
     produced_by = {t.name: t.producer for t in block.tensors}
     for region in recompute_regions(block, plan):
-        members = frozenset(region)
-        for name in region:
+        members = frozenset(region.ops)
+        for name in region.dropped:
             region_of[name] = members
         inputs = {t for op in block.ops if op.name in members for t in op.inputs}
         held |= {t for t in inputs if produced_by[t] not in members}
+        replay += sum(op.forward_s.at(load) for op in block.ops if op.name in members)
 
     copy, cast = offload_copy(hw), cast_kernel(hw)
     device = host = fwd = bwd = 0.0
@@ -148,5 +171,4 @@ def footprint(
             host += size
             fwd += copy.time(size)
             bwd += copy.time(size)
-    bwd += sum(op.forward_s.at(load) for op in block.ops if op.name in region_of)
-    return Footprint(device, host, fwd, bwd)
+    return Footprint(device, host, fwd, bwd + replay)

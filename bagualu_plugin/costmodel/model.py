@@ -54,9 +54,9 @@ class MitigationCost:
 
 
 def holds_arguments(block: BlockGraph, plan: Mapping[str, str]) -> bool:
-    """Whether the block's recompute regions take the layer's arguments (attention or the whole
-    layer runs under a checkpoint that holds them)."""
-    return any("attn_core" in region for region in recompute_regions(block, plan))
+    """Whether the block's recompute regions take the layer's arguments (attention, whole or in
+    part, or the whole layer runs under a checkpoint that holds them)."""
+    return any("attn_core" in region.ops for region in recompute_regions(block, plan))
 
 
 class CostModel:
@@ -229,8 +229,12 @@ class CostModel:
         )
 
     def recompute_unit(self, op: OpId) -> list[OpId]:
-        """The smallest run of ops that can be recomputed together with `op` (None of it if none)."""
-        units = [u for u in self.blocks[op.layer].recompute_units if op.name in u]
+        """The smallest run of ops that can be recomputed together with `op` (None of it if none);
+        an op of a span is recomputed alone."""
+        block = self.blocks[op.layer]
+        if any(op.name in span for span in block.spans):
+            return [op]
+        units = [u for u in block.recompute_units if op.name in u]
         return [OpId(op.layer, name) for name in min(units, key=len)] if units else []
 
     def full_recompute(self) -> dict[OpId, str]:
@@ -239,7 +243,7 @@ class CostModel:
         return {
             OpId(i, name): "recompute"
             for i, b in self.blocks.items()
-            for name in dict.fromkeys(n for unit in b.recompute_units for n in unit)
+            for name in dict.fromkeys(n for unit in (*b.recompute_units, *b.spans) for n in unit)
         }
 
     # pipeline stages and static memory ---------------------------------------------------------
@@ -293,6 +297,7 @@ class CostModel:
                     "dense_params": b.dense_params,
                     "expert_params": b.expert_params,
                     "units": [list(u) for u in b.units],
+                    "spans": [list(s) for s in b.spans],
                     "ops": [
                         {"name": o.name, "inputs": list(o.inputs), "forward_s": o.forward_s.to_dict(), "backward_s": o.backward_s.to_dict()}
                         for o in b.ops
@@ -323,7 +328,8 @@ class CostModel:
                 for t in b["tensors"]
             )
             units = tuple(tuple(u) for u in b["units"])
-            blocks[b["index"]] = BlockGraph(b["kind"], ops, tensors, b["dense_params"], b["expert_params"], units)
+            spans = tuple(tuple(s) for s in b.get("spans", ()))  # files saved before spans existed have none
+            blocks[b["index"]] = BlockGraph(b["kind"], ops, tensors, b["dense_params"], b["expert_params"], units, spans)
         hw = HardwareSpec.model_validate(data["hardware"], strict=False)
         return cls(blocks, hw, data["pairs_per_token"], data["name"], data["source"])
 

@@ -48,6 +48,15 @@ class BudgetState:
             return (self.capacity - self.used - r * self.min_budget) // r + self.min_budget
         return self.capacity - (self.used - self.budgets[i - self.warmup])
 
+    def headroom(self, i: int) -> int:
+        """Bytes micro-batch i may keep beyond its budget: in warmup, what the later warmup
+        micro-batches can give up while each keeps M0 (their budgets shrink after this forward);
+        in steady none, the budget already being all the free memory."""
+        if i >= self.warmup:
+            return 0
+        later = self.warmup - i - 1
+        return self.capacity - self.used - later * self.min_budget - self.budget(i)
+
     def after_forward(self, i: int, actual: int) -> BudgetState:
         """Replace micro-batch i's budget by what it kept (lines 7-8, 14-15)."""
         self._check(i)

@@ -18,7 +18,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -74,10 +74,24 @@ class Record:
     savers: tuple[object, ...]
 
 
-@dataclass
+@dataclass(slots=True)
 class _Live:
-    record: Record
-    holders: int = 0  # recorded tensor objects of this storage not yet finalized
+    """A live storage as `record` is about to describe it (mutable and cheap to make: one is
+    made for every new saved storage, on the training path)."""
+
+    key: StorageKey
+    nbytes: int
+    residency: Residency
+    op: object
+    micro_batch: int | None
+    dtype: torch.dtype
+    source: object
+    savers: list
+    holders: list = field(default_factory=list)  # weak references to its recorded tensor objects
+
+    def record(self) -> Record:
+        return Record(self.key, self.nbytes, self.residency, self.op, self.micro_batch, self.dtype, self.source,
+                      tuple(self.savers))
 
 
 def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int] | None:
@@ -102,7 +116,7 @@ class Ledger:
     attributed to it and to whatever ``current_op()`` returns (an op id, hashable).
     ``source(tensor)`` names the op that made a newly saved storage (the profiler's provenance).
 
-    Finalizers run whenever the garbage collector or another thread drops a saved tensor, possibly
+    Weakref callbacks run whenever the garbage collector or another thread drops a saved tensor, possibly
     in the middle of a ``record``. They therefore only append to a queue; every public method
     applies the queued releases under the lock before it reads or writes, so counts are exact at
     each call and never negative.
@@ -123,7 +137,7 @@ class Ledger:
         self._live: dict[StorageKey, _Live] = {}
         self._bytes = dict.fromkeys(_RESIDENCIES, 0)
         self._peak = 0
-        self._released: deque[_Live] = deque()
+        self._released: deque[tuple[_Live, weakref.ref]] = deque()
         self._lock = threading.Lock()
 
     @classmethod
@@ -175,7 +189,7 @@ class Ledger:
         return found is not None and found[0] in self._excluded
 
     def record(self, tensor: torch.Tensor, residency: Residency = "device") -> None:
-        """Charge the storage of ``tensor`` until every recorded tensor object of it is finalized.
+        """Charge the storage of ``tensor`` until every recorded tensor object of it has died.
 
         The first record of a storage charges its full nbytes (a view keeps all of it alive) to the
         current op and micro-batch; later records of the same live storage add nothing. Offload and
@@ -190,21 +204,22 @@ class Ledger:
         key, nbytes = found
         # callbacks run before the lock is taken: they may read the ledger
         op, micro_batch, source = self.current_op(), self.micro_batch, self.source(tensor)
-        with self._locked():
+        with self._lock:
+            self._apply_releases()
             if key in self._excluded:
                 return
             entry = self._live.get(key)
             if entry is None:
                 if residency == "device":
                     self._check_capacity(nbytes, op, micro_batch)
-                entry = _Live(Record(key, nbytes, residency, op, micro_batch, tensor.dtype, source, (op,)))
+                entry = _Live(key, nbytes, residency, op, micro_batch, tensor.dtype, source, [op])
                 self._live[key] = entry
                 self._bytes[residency] += nbytes
                 self._peak = max(self._peak, self._bytes["device"])
-            elif op not in entry.record.savers:
-                entry.record = replace(entry.record, savers=(*entry.record.savers, op))
-            entry.holders += 1
-            weakref.finalize(tensor, self._released.append, entry).atexit = False
+            elif op not in entry.savers:
+                entry.savers.append(op)
+            # a weakref callback (not weakref.finalize, 25x dearer): called once, when `tensor` dies
+            entry.holders.append(weakref.ref(tensor, lambda ref, entry=entry: self._released.append((entry, ref))))
 
     # ------------------------------------------------------------------ reading
 
@@ -237,7 +252,7 @@ class Ledger:
     def records(self) -> list[Record]:
         """Live records, in the order their storages were first recorded."""
         with self._locked():
-            return [entry.record for entry in self._live.values()]
+            return [entry.record() for entry in self._live.values()]
 
     def allocated_bytes(self) -> int:
         """Bytes held by the CUDA caching allocator on this device (everything, not activations)."""
@@ -256,16 +271,14 @@ class Ledger:
 
     def _apply_releases(self) -> None:
         while self._released:
-            entry = self._released.popleft()
-            entry.holders -= 1
-            assert entry.holders >= 0, entry
-            if entry.holders == 0:
-                record = entry.record
+            entry, ref = self._released.popleft()
+            entry.holders.remove(ref)
+            if not entry.holders:
                 # Evict, so that a new storage at the same address is a new record.
-                evicted = self._live.pop(record.key)
-                assert evicted is entry, record
-                self._bytes[record.residency] -= record.nbytes
-                assert self._bytes[record.residency] >= 0, self._bytes
+                evicted = self._live.pop(entry.key)
+                assert evicted is entry, entry
+                self._bytes[entry.residency] -= entry.nbytes
+                assert self._bytes[entry.residency] >= 0, self._bytes
 
     def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
         live = self._bytes["device"]
@@ -275,14 +288,15 @@ class Ledger:
                 requested_bytes=nbytes, op=op, micro_batch=micro_batch,
             )
 
-    def _group(self, by: Callable[[Record], object], residency: Residency) -> dict:
+    def _group(self, by: Callable[[_Live], object], residency: Residency) -> dict:
         if residency not in _RESIDENCIES:
             raise ValueError(f"residency must be one of {_RESIDENCIES}, got {residency!r}")
         out: dict = {}
-        for record in self.records():
-            if record.residency == residency:
-                group = by(record)
-                out[group] = out.get(group, 0) + record.nbytes
+        with self._locked():
+            for entry in self._live.values():  # read in place: this runs after every forward
+                if entry.residency == residency:
+                    group = by(entry)
+                    out[group] = out.get(group, 0) + entry.nbytes
         return out
 
     def _exclusion_keys(self) -> frozenset[StorageKey]:

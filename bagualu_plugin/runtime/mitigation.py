@@ -6,7 +6,10 @@
   on CUDA; a separate host buffer on CPU), restored as the same view in backward;
 - fp8: the storage quantised blockwise (`bagualu_plugin.kernels`), dequantised in backward;
 - recompute: the op's recompute unit (`costmodel.graph.standard_units`) runs under a non-reentrant
-  checkpoint: a module's forward, or an expert op through the experts' runner.
+  checkpoint: a module's forward, or an expert op through the experts' runner. An op no unit
+  covers alone (attention's three, Qwen2-MoE's gated shared expert) goes through its span
+  (`standard_spans`): the attention module's or MoE block's forward under a checkpoint that takes
+  only the recomputed ops' saves. A region's inputs stay on the device, as the cost model holds them.
 
 One storage has one form, whoever saves it: savers share a host copy or a quantised payload, and
 when one saver keeps the storage on the device every other saver uses that copy, so mitigation
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +30,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from .. import kernels
-from ..adapters import Adapter, OpTracker, shared_arguments
+from ..adapters import Adapter, OpTracker, is_inside_backward, shared_arguments
 from ..adapters.experts import IMPLEMENTATION, RUNNER_ATTR
 from ..costmodel import CostModel, ModelDims, OpId
-from ..costmodel.graph import standard_units
+from ..costmodel.graph import ATTENTION_OPS, EXPERT_OPS, standard_spans, standard_units
 from ..costmodel.mitigation import MitigationOptions, cover
 from ..costmodel.conflicts import Conflict, conflicts
 from ..costmodel.plan import Plan
@@ -209,7 +212,8 @@ class SavedTensorHooks:
 
 
 def _unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Module | None:
-    """The module whose forward is exactly `unit`; None for the expert ops (run by the runner)."""
+    """The module whose forward runs `unit` (a recompute unit or a span); None for the expert ops
+    (run by the runner)."""
     if layer == -1:
         return adapter.decoder.embed_tokens
     if layer == adapter.head_index:
@@ -217,8 +221,10 @@ def _unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Modu
     part = adapter.layers[layer]
     if set(unit) == set(adapter.layer_ops(part)):
         return part.module
-    if unit[0] in ("attn_qkv", "attn_core", "attn_out"):
+    if unit[0] in ATTENTION_OPS:
         return part.module.self_attn
+    if unit == EXPERT_OPS:
+        return part.experts
     single = {
         "attn_norm": part.module.input_layernorm,
         "mlp_norm": part.module.post_attention_layernorm,
@@ -233,14 +239,25 @@ def _unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Modu
     return part.module.mlp  # the MoE block: router, experts, shared expert
 
 
-def block_units(adapter: Adapter, layer: int) -> tuple[tuple[str, ...], ...]:
+def _block(adapter: Adapter, layer: int) -> tuple[str, tuple[str, ...]]:
+    """The block's kind and ops, as the cost model names them."""
     if layer == -1:
-        return standard_units("embed", ("embed",))
+        return "embed", ("embed",)
     if layer == adapter.head_index:
-        return standard_units("head", ("final_norm", "lm_head", "loss"))
+        return "head", ("final_norm", "lm_head", "loss")
     part = adapter.layers[layer]
-    kind = "moe" if part.moe else "dense"
-    return standard_units(kind, tuple(adapter.layer_ops(part)), shared_alone=len(adapter.family.shared) <= 1)
+    return "moe" if part.moe else "dense", tuple(adapter.layer_ops(part))
+
+
+def block_units(adapter: Adapter, layer: int) -> tuple[tuple[str, ...], ...]:
+    """The block's recompute units, as the analytic and profiled cost models have them."""
+    kind, ops = _block(adapter, layer)
+    return standard_units(kind, ops, shared_alone=len(adapter.family.shared) <= 1)
+
+
+def block_spans(adapter: Adapter, layer: int) -> tuple[tuple[str, ...], ...]:
+    """The block's spans, as the analytic and profiled cost models have them."""
+    return standard_spans(*_block(adapter, layer))
 
 
 @contextmanager
@@ -255,42 +272,97 @@ def _bagualu_experts(config) -> Iterator[None]:
         config._experts_implementation_internal = previous
 
 
-def _recomputed(module: nn.Module, forward: Callable, config) -> Callable:
-    """`forward` of `module` run under a non-reentrant checkpoint.
+def _same(x):
+    return x
+
+
+def _top_hooks() -> tuple[Callable, Callable]:
+    """The saved-tensor hooks in force now (a checkpoint's, the plan's); none: save as autograd does."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) or (_same, _same)
+
+
+class _SpanSaves:
+    """Where the saves inside a span's checkpoint go when it recomputes only some of the span's ops
+    (`costmodel.graph.standard_spans`): the dropped ops' saves to the checkpoint, which replays the
+    span in backward; every other save where it would go without the checkpoint (the plan's
+    hooks, so the Ledger counts it and the plan keeps, offloads or quantises it).
+
+    The forward tells the ops apart by the op scope at each save, and the dropped set is read
+    live, so a gate that escalates the MoE block's experts mid-forward still drops their saves.
+    The replay repeats the forward's decisions in save order: it may run after `apply_plan` has
+    removed the op scopes; there the other ops' saves stay with the replay's own graph, which
+    backward discards. Why not torch's selective checkpointing: it caches op outputs outside the
+    saved-tensor hooks, where the Ledger would not see them, and every output, saved or not."""
+
+    def __init__(self, dropped: Callable[[], bool]):
+        self.dropped = dropped
+        self.outside = _top_hooks()  # taken before the checkpoint pushes its own
+        self.decisions: list[bool] | None = None
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        checkpoint_pack, checkpoint_unpack = _top_hooks()
+        if self.decisions is None:
+            decisions = self.decisions = []
+            pack_outside, unpack_outside = self.outside
+
+            def decide() -> bool:
+                decisions.append(self.dropped())
+                return decisions[-1]
+
+        else:
+            replay = iter(self.decisions)
+            pack_outside = unpack_outside = _same
+
+            def decide() -> bool:
+                return next(replay, True)  # more saves than the forward made: torch's check says so
+
+        def pack(tensor: torch.Tensor):
+            if decide():
+                return True, checkpoint_pack(tensor)
+            return False, pack_outside(tensor)
+
+        def unpack(packed):
+            dropped, payload = packed
+            return checkpoint_unpack(payload) if dropped else unpack_outside(payload)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+
+def _recompute(module: nn.Module, forward: Callable, config, args: tuple, kwargs: dict, saves: Callable = nullcontext):
+    """`forward(*args, **kwargs)` of `module` run under a non-reentrant checkpoint, its saves
+    routed by `saves()` (a `_SpanSaves`; by default all are the checkpoint's).
 
     Every tensor the forward receives, keyword arguments and tuples (RoPE tables) included, is
     handed to the checkpoint positionally: the checkpoint saves its positional tensors for
     backward, where the Ledger sees them, and would hold the rest unseen. The recomputation in
     backward runs the experts as the forward did, even after the runtime has been removed.
     """
+    if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "past_key_value")):
+        raise ValueError(
+            f"{type(module).__name__} is recomputed but received a KV cache, which recomputation would "
+            "update twice; train with use_cache=False"
+        )
+    leaves, spec = tree_flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
-    def recomputed(*args, **kwargs):
-        if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "past_key_value")):
-            raise ValueError(
-                f"{type(module).__name__} is recomputed but received a KV cache, which recomputation would "
-                "update twice; train with use_cache=False"
-            )
-        leaves, spec = tree_flatten((args, kwargs))
-        where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    def run(*tensors):
+        filled = list(leaves)
+        for i, t in zip(where, tensors):
+            filled[i] = t
+        a, kw = tree_unflatten(filled, spec)
+        with _bagualu_experts(config), saves():
+            return forward(*a, **kw)
 
-        def run(*tensors):
-            filled = list(leaves)
-            for i, t in zip(where, tensors):
-                filled[i] = t
-            a, kw = tree_unflatten(filled, spec)
-            with _bagualu_experts(config):
-                return forward(*a, **kw)
-
-        return checkpoint(run, *(leaves[i] for i in where), use_reentrant=False)
-
-    return recomputed
+    return checkpoint(run, *(leaves[i] for i in where), use_reentrant=False)
 
 
 class PlanRuntime:
     """The mitigation mechanisms installed on a model once, following a plan that may change
     between micro-batches and even within one, at the gate (deferred planning, paper §V-A):
-    every recompute unit's module is wrapped and every experts module gets a runner, each
-    checking the current plan when it runs; saved tensors are handled inside `forward()`."""
+    every recompute unit's and span's module is wrapped and every experts module gets a runner,
+    each checking the current plan when it runs; saved tensors are handled inside `forward()`."""
 
     def __init__(
         self,
@@ -327,10 +399,12 @@ class PlanRuntime:
         unknown = [str(op) for op in plan if op not in self._ops]
         if unknown:
             raise KeyError(f"plan names ops this {self.adapter.family.model_type} model does not have: {', '.join(unknown)}")
-        regions = set()
+        regions = {}
         for layer in {op.layer for op in plan if plan[op] == "recompute"}:
             wanted = {op.name for op in plan if op.layer == layer and plan[op] == "recompute"}
-            regions |= {(layer, u) for u in cover(block_units(self.adapter, layer), wanted, f"layer {layer}")}
+            units, spans = block_units(self.adapter, layer), block_spans(self.adapter, layer)
+            for region in cover(units, spans, wanted, f"layer {layer}"):
+                regions[(layer, region.ops)] = frozenset(region.dropped)
         self._regions, self.hooks.plan = regions, plan
 
     def install(self) -> PlanRuntime:
@@ -342,7 +416,7 @@ class PlanRuntime:
         self.tracker.install()
         stack.callback(self.tracker.remove)
         for layer in [-1, *(part.index for part in a.layers), a.head_index]:
-            for unit in block_units(a, layer):
+            for unit in dict.fromkeys((*block_units(a, layer), *block_spans(a, layer))):
                 module = _unit_module(a, layer, unit)
                 if module is not None:  # expert ops have no module: the runner checkpoints them
                     self._wrap(module, layer, unit, stack)
@@ -355,20 +429,41 @@ class PlanRuntime:
         return self
 
     def _wrap(self, module: nn.Module, layer: int, unit: tuple[str, ...], stack: ExitStack) -> None:
-        """Route `module`'s forward through a checkpoint while its unit is a recompute region."""
+        """Route `module`'s forward through a checkpoint while its unit or span is a recompute
+        region. Regions never nest, so a module that a region's replay runs again ran plainly in
+        the forward; it does so again, whatever the plan is by then (in 1F1B the next micro-batch
+        is planned before this one's backward)."""
         had, previous = "forward" in module.__dict__, module.__dict__.get("forward")
         forward = module.forward
-        recomputed = _recomputed(module, forward, self.adapter.config)
+        config = self.adapter.config
+
+        def dropped() -> bool:
+            op = self.tracker.current
+            return op is not None and op.layer == layer and op.name in self._regions.get((layer, unit), ())
 
         def dispatch(*args, **kwargs):
-            return (recomputed if (layer, unit) in self._regions else forward)(*args, **kwargs)
+            region = self._regions.get((layer, unit))
+            if region is None or is_inside_backward():
+                return forward(*args, **kwargs)
+            saves = nullcontext if region == set(unit) else _SpanSaves(dropped)
+            with self._holding():
+                return _recompute(module, forward, config, args, kwargs, saves)
 
         module.forward = dispatch
         stack.callback(lambda: setattr(module, "forward", previous) if had else delattr(module, "forward"))
 
+    def _holding(self):
+        """While the plan's hooks are in force, a region's inputs stay on the device as they are,
+        as the cost model holds them, whatever op runs when the region begins and saves them (a
+        MoE block begins in mlp_norm, a layer in the previous layer's last op, a span in its first
+        op, any of which the plan may offload)."""
+        if _top_hooks()[0] != self.hooks.pack:
+            return nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.hooks._keep(t, _storage(t)), self.hooks.unpack)
+
     def _runner(self, layer: int):
         def run(name, op, experts, *args, **kwargs):
-            if (layer, (name,)) in self._regions:
+            if (layer, (name,)) in self._regions and not is_inside_backward():
                 return checkpoint(op, experts, *args, use_reentrant=False, **kwargs)
             return op(experts, *args, **kwargs)
 

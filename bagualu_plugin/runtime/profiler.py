@@ -23,7 +23,7 @@ from ..adapters import Adapter, OpTracker, shared_arguments
 from ..adapters.experts import set_expert_parallel
 from ..adapters.gate import GateMonitor, RoutingSkew
 from ..costmodel.fit import BlockSample, TensorSample, fit_block
-from ..costmodel.graph import INPUT, OpId, standard_units
+from ..costmodel.graph import INPUT, OpId, standard_spans, standard_units
 from ..costmodel.linear import Load
 from ..costmodel.model import CostModel
 from ..hardware import HardwareSpec, preset
@@ -321,7 +321,8 @@ def _fit(samples: list[dict[int, BlockSample]], adapter: Adapter, hw: HardwareSp
     blocks = {}
     for index, first in samples[0].items():
         units = standard_units(first.kind, first.ops, shared_alone)
-        blocks[index] = fit_block([s[index] for s in samples], ep_size > 1, *params[index], units)
+        spans = standard_spans(first.kind, first.ops)
+        blocks[index] = fit_block([s[index] for s in samples], ep_size > 1, *params[index], units, spans)
     return CostModel(blocks, hw, adapter.top_k / ep_size, name=adapter.family.model_type, source="profiled")
 
 

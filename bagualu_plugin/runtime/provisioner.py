@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from ..config import Recipe
 from ..costmodel import CostModel, OpId
 from ..costmodel.mitigation import footprint
 from ..costmodel.pipeline import one_f_one_b
+from ..costmodel.graph import EXPERT_OPS
 from ..costmodel.plan import Plan
 from ..planner import BudgetState, CachedPlanner
 from ..stage import Stage
@@ -63,6 +63,7 @@ class Provisioner:
         self.events: list[dict] = []
         self._mb: int | None = None
         self._forward = None
+        self._slopes: dict[tuple, dict[int, float]] = {}
 
     @property
     def ledger(self) -> Ledger:
@@ -87,11 +88,16 @@ class Provisioner:
             "predicted": decision.activation_bytes,
             "plan": {str(op): s for op, s in sorted(decision.plan.items())},
             "escalations": [],
+            "deferred": [],
             "tokens": tokens,
             "seq_len": seq_len,
         }
         self._slack = budget - decision.activation_bytes
-        self._per_pair = self._expert_bytes_per_pair()
+        self._headroom = self.budgets.headroom(mb)
+        key = (tuple(sorted(decision.plan.items())), tokens, seq_len)
+        if key not in self._slopes:  # as few as the planner's cached decisions
+            self._slopes[key] = self._expert_bytes_per_pair()
+        self._per_pair = self._slopes[key]
         self.ledger.micro_batch = mb
         self._mb = mb
         self._forward = self.runtime.forward()
@@ -100,30 +106,43 @@ class Provisioner:
 
     def _expert_bytes_per_pair(self) -> dict[int, float]:
         """Device bytes each extra local routed pair costs in each MoE layer under the plan."""
-        cm, plan, step = self.stage.cost, self.runtime.plan, 1024
-        loads = cm.loads(self._event["tokens"], self._planned, self._event["seq_len"])
-        out = {}
-        for layer in cm.moe_layers:
-            block, load = cm.blocks[layer], loads[layer]
-            names = {op.name: s for op, s in plan.items() if op.layer == layer}
-            more = replace(load, routed=load.routed + step)
-            before = footprint(block, names, load, cm.hardware, self.stage.options).device_bytes
-            after = footprint(block, names, more, cm.hardware, self.stage.options).device_bytes
-            out[layer] = (after - before) / step
-        return out
+        step = 1024
+        return {
+            layer: (self._layer_bytes(layer, self.runtime.plan, self._planned + step)
+                    - self._layer_bytes(layer, self.runtime.plan, self._planned)) / step
+            for layer in self.stage.cost.moe_layers
+        }
+
+    def _layer_bytes(self, layer: int, plan: Plan, routed: float) -> float:
+        """What MoE layer `layer` of this micro-batch keeps under `plan` with `routed` local pairs."""
+        cm = self.stage.cost
+        load = cm.loads(self._event["tokens"], routed, self._event["seq_len"])[layer]
+        names = {op.name: s for op, s in plan.items() if op.layer == layer}
+        return footprint(cm.blocks[layer], names, load, cm.hardware, self.stage.options).device_bytes
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
         """Deferred planning: the experts of `layer` have not run yet; if the pairs routed here
         would overrun this micro-batch's slack, recompute them (strongest first)."""
         if self._mb is None or layer not in self._per_pair:
             return
-        extra = (int(local_pairs) - self._planned) * self._per_pair[layer]  # one host sync per MoE layer
+        pairs = int(local_pairs)  # one host sync per MoE layer
+        extra = (pairs - self._planned) * self._per_pair[layer]
         if extra <= self._slack:
             self._slack -= max(extra, 0)
             return
-        escalated = {**self.runtime.plan, **{OpId(layer, n): "recompute" for n in ("expert_fc1", "expert_act", "expert_fc2")}}
-        self.runtime.set_plan(Plan(escalated))
-        self._event["escalations"].append({"layer": layer, "local_pairs": int(local_pairs), "overrun": extra - self._slack})
+        overrun = extra - self._slack
+        if overrun <= self._headroom:  # warmup: the later micro-batches' budgets shrink instead
+            self._headroom -= overrun
+            self._slack = 0
+            self._event["deferred"].append({"layer": layer, "local_pairs": pairs, "overrun": overrun})
+            return
+        planned = self.runtime.plan
+        escalated = Plan({**planned, **{OpId(layer, n): "recompute" for n in EXPERT_OPS}})
+        self.runtime.set_plan(escalated)
+        # the layer now keeps only what its experts' checkpoint holds: the slack left is exact again
+        change = self._layer_bytes(layer, escalated, pairs) - self._layer_bytes(layer, planned, self._planned)
+        self._slack -= change
+        self._event["escalations"].append({"layer": layer, "local_pairs": pairs, "overrun": overrun, "slack_after": self._slack})
 
     def end_forward(self, mb: int) -> int:
         """The bytes micro-batch `mb` really keeps; its budget becomes that (Algorithm 1)."""
