@@ -154,14 +154,13 @@ def _profile(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from .demo import POLICIES, run_demo
+    from .demo import POLICIES, run_demo, summary, summary_table
 
     recipe = load_recipe(args.recipe)
     policies = args.policies or list(POLICIES)
     with tqdm(total=args.steps * len(policies), desc="policy iterations", unit="it") as bar:
         results = run_demo(recipe, args.steps, policies, seed=args.seed, progress=bar.update)
-    baseline = {r.policy: r for r in results}.get("full_recompute")
-    rows = [_demo_row(r, baseline) for r in results]
+    rows = summary(results)
     spikes = recipe.spikes
     title = (
         f"{args.recipe}: {args.steps} iterations x {recipe.pipeline.micro_batches} micro-batches of {recipe.batch.tokens} "
@@ -172,34 +171,13 @@ def _demo(args: argparse.Namespace) -> int:
         results, args.png, recipe.hardware.capacity_bytes, spikes.normal_max_imbalance, 2 * recipe.pipeline.micro_batches, title
     )
     print(title)
-    print(table(
-        ["policy", "steps", "OOMs", "tokens/s", "vs full recompute", "peak device", "capacity", "planner ms/mb"],
-        [[r["policy"], r["steps_completed"], r["ooms"], f"{r['tokens_per_s']:.0f}",
-          "-" if r["vs_full_recompute"] is None else f"{r['vs_full_recompute']:.2f}x",
-          fmt_bytes(r["peak_device_bytes"]), fmt_bytes(r["capacity_bytes"]), f"{r['planner_ms_per_micro_batch']:.2f}"]
-         for r in rows],
-    ))
+    print(summary_table(rows))
     print(f"\nwrote {png}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"recipe": args.recipe, "steps": args.steps, "policies": rows}, f, indent=1)
         print(f"wrote {args.json}")
     return 0
-
-
-def _demo_row(result, baseline) -> dict:
-    ratio = result.tokens_per_s / baseline.tokens_per_s if baseline and baseline.tokens_per_s else None
-    return {
-        "policy": result.policy,
-        "steps_completed": result.steps_completed,
-        "ooms": result.ooms,
-        "tokens_per_s": result.tokens_per_s,
-        "vs_full_recompute": ratio,
-        "peak_device_bytes": result.peak_device_bytes,
-        "capacity_bytes": result.capacity_bytes,
-        "planner_ms_per_micro_batch": result.planner_ms_per_micro_batch,
-        "seconds": result.seconds,
-    }
 
 
 def _curve(args: argparse.Namespace) -> int:
@@ -284,13 +262,11 @@ def _as_text(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], ti
             [label, fmt_seconds(c.forward_s), fmt_seconds(c.backward_s), fmt_bytes(c.saved_bytes)]
             + [_cell(r, s) for s in MITIGATIONS]
         )
-    out += [
-        table(headers, body),
-        "* recomputed only as a whole with "
-        + ", ".join(sorted({"+".join(o.name for o in r["unit"]) for r in rows if len(r["unit"]) > 1}))
-        + " (RoPE and the kernel run inside HF's attention forward); n/a: HF glue code, not replayable",
-        "",
-    ]
+    together = sorted({"+".join(o.name for o in r["unit"]) for r in rows if r["unit"] and len(r["unit"]) > 1})
+    notes = [f"* recomputed only together: {', '.join(together)}"] if together else []
+    if any(not r["unit"] for r in rows):
+        notes.append("n/a: no recompute region replays it")
+    out += [table(headers, body), *notes, ""]
     out.append(
         f"micro-batch: Δt_f {fmt_seconds(mb.forward_s)}, Δt_b {fmt_seconds(mb.backward_s)}, "
         f"Δm {fmt_bytes(mb.activation_bytes)}; M0 (full recompute) {fmt_bytes(stage.min_budget)}"

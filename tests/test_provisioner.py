@@ -1,5 +1,6 @@
 """The Provisioner on a real (tiny) model: a 1F1B stage iteration under a simulated capacity."""
 
+import json
 import pytest
 import torch
 
@@ -31,14 +32,22 @@ def _batches():
     return [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(M)]
 
 
-def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory():
+def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
     model = tiny_model("glm4_moe", num_hidden_layers=4)
     cm = model_cost(model)
     keep = cm.activation_bytes(BATCH * SEQ, seq_len=SEQ)
     capacity = int(2.5 * keep)  # rank 0 of 4 holds 4 micro-batches at its peak
-    prov = apply(model, _recipe(model, capacity), cm)
+    recipe = _recipe(model, capacity)
+    telemetry = tmp_path / "events.jsonl"
+    prov = apply(model, recipe.model_copy(update={"telemetry": recipe.telemetry.model_copy(update={"path": str(telemetry)})}), cm)
     try:
         actuals = run_stage(prov, model, _batches(), PP, RANK)
+        lines = [json.loads(line) for line in telemetry.read_text().splitlines()]  # one per micro-batch
+        assert sorted(e["micro_batch"] for e in lines) == list(range(M))  # written in backward order
+        fields = {"phase", "budget", "predicted", "actual", "plan", "escalations", "deferred", "planner_s", "live_after_backward"}
+        assert all(fields <= set(e) for e in lines)
+        with pytest.raises(ValueError, match="no finished forward"):
+            prov.end_backward(0)
         assert prov.ledger.peak_device_bytes <= capacity
         assert all(e["actual"] <= e["budget"] for e in prov.events)
         assert any(e["plan"] for e in prov.events)  # it had to mitigate

@@ -141,7 +141,7 @@ class SavedTensorHooks:
 
     def __init__(self, plan: Plan, ledger: Ledger, current_op: Callable[[], OpId | None], options: MitigationOptions):
         self.plan, self.ledger, self.current_op, self.options = plan, ledger, current_op, options
-        self._forms: dict[StorageKey, tuple[str, object]] = {}  # live storages this plan has packed
+        self._forms: dict[StorageKey, tuple[str, object, weakref.ref]] = {}  # live storages this plan has packed
 
     def layer_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A decoder layer's forward pre-hook: what every layer receives (RoPE tables, masks) is
@@ -162,7 +162,7 @@ class SavedTensorHooks:
             return self._keep(tensor, found)
         if strategy == "fp8" and not tensor.is_floating_point():
             return self._keep(tensor, found)
-        form, stored = self._forms.get(key, (None, None))
+        form, stored, _ = self._forms.get(key, (None, None, None))
         if form == "keep":  # another saver keeps it on the device: share that copy
             return "keep", self.ledger.pack(tensor)
         if stored is None:
@@ -181,7 +181,7 @@ class SavedTensorHooks:
         packed = self.ledger.pack(tensor)
         if found is not None:
             key = found[0]
-            form, stored = self._forms.get(key, (None, None))
+            form, stored, _ = self._forms.get(key, (None, None, None))
             if isinstance(stored, _Stored) and stored.on_device is None:
                 stored.drop(_flat(tensor))  # a keeping saver makes the earlier copy moot
             if form != "keep":
@@ -189,15 +189,16 @@ class SavedTensorHooks:
         return "keep", packed
 
     def _remember(self, owner: torch.Tensor, key: StorageKey, form: str, stored: object) -> None:
-        """Remember the storage's form until `owner` dies (while it lives, the storage lives)."""
-        token = (form, stored)
-        self._forms[key] = token
+        """Remember the storage's form until `owner` dies (while it lives, the storage lives).
+        The entry holds the weakref whose callback forgets it (cheaper than weakref.finalize,
+        and this runs for every new saved storage)."""
 
-        def forget():
+        def forget(_ref):
             if self._forms.get(key) is token:
                 del self._forms[key]
 
-        weakref.finalize(owner, forget).atexit = False
+        token = (form, stored, weakref.ref(owner, forget))
+        self._forms[key] = token
 
     def unpack(self, packed):
         kind, payload = packed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,6 +31,9 @@ from ..planner import BudgetState, CachedPlanner
 from ..stage import Stage
 from .ledger import Ledger
 from .mitigation import PlanRuntime, model_cost
+
+
+EVENTS_KEPT = 4096  # events held in memory; the telemetry file has them all
 
 
 class Provisioner:
@@ -60,7 +64,11 @@ class Provisioner:
         par = recipe.parallel
         self.gate = GateMonitor(self.runtime.adapter, par.ep, par.ep_rank, on_gate=self._on_gate).install()
         self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
-        self.events: list[dict] = []
+        # the latest micro-batches' events (a long run would otherwise grow without bound) and
+        # running totals over all of them
+        self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
+        self.forwards, self.planner_s = 0, 0.0
+        self._awaiting_backward: dict[int, dict] = {}
         self._mb: int | None = None
         self._forward = None
         self._slopes: dict[tuple, dict[int, float]] = {}
@@ -153,18 +161,23 @@ class Provisioner:
         self._event["actual"] = actual
         self._event["peak_device_bytes"] = self.ledger.peak_device_bytes + self.stage.static_bytes
         self.events.append(self._event)
-        if self.telemetry:
-            with self.telemetry.open("a") as f:
-                f.write(json.dumps(self._event) + "\n")
+        self.forwards += 1
+        self.planner_s += self._event["planner_s"]
+        self._awaiting_backward[mb] = self._event
         return actual
 
     def end_backward(self, mb: int) -> int:
         """Micro-batch `mb`'s activations are released; returns what the stage still keeps (the
-        memory Algorithm 1 hands to the next forward), recorded in `mb`'s event."""
+        memory Algorithm 1 hands to the next forward), recorded in `mb`'s event, which is then
+        complete and written to the telemetry file."""
         live = self.ledger.live_device_bytes
-        for event in self.events:
-            if event["micro_batch"] == mb:
-                event["live_after_backward"] = live
+        event = self._awaiting_backward.pop(mb, None)
+        if event is None:
+            raise ValueError(f"end_backward({mb}): micro-batch {mb} has no finished forward awaiting its backward")
+        event["live_after_backward"] = live
+        if self.telemetry:
+            with self.telemetry.open("a") as f:
+                f.write(json.dumps(event) + "\n")
         return live
 
     def remove(self) -> None:
@@ -196,4 +209,4 @@ def run_stage(
             loss.backward()
             del loss
             provisioner.end_backward(step.micro_batch)
-    return [e["actual"] for e in provisioner.events[-len(batches):]]
+    return [e["actual"] for e in list(provisioner.events)[-len(batches):]]
