@@ -99,6 +99,8 @@ def plot_timeline(
                 ceilings.append((x, entry["ceiling"] / _MIB))
             if entry.get("oom"):
                 ooms.append((x, entry["peak"] / _MIB, colour))
+                xs.append(x)
+                ys.append(float("nan"))  # the restart: no line to the next iteration
         ax.plot(xs, ys, color=colour, lw=1.0, label=result.policy, zorder=3)
         if ceilings:
             ax.plot(*zip(*ceilings), "_", color=colour, ms=7, label=f"{result.policy}: budget (Algorithm 1)", zorder=4)

@@ -2,8 +2,9 @@
 `apply_plan` (paper §IV-B, §V-A; DESIGN.md section 4).
 
 - keep: the Ledger's pack (a detached alias, counted on the device);
-- offload: a copy of the saved tensor's whole storage on the host (pinned, copied on a side stream
-  on CUDA; a separate host buffer on CPU), restored as the same view in backward;
+- offload: a copy of the saved tensor's whole storage in a reused host buffer (`HostPool`: pinned,
+  copied on a side stream on CUDA; plain memory and synchronous on CPU), restored as the same
+  view in backward, the op before prefetched while an op's backward runs;
 - fp8: the storage quantised blockwise (`bagualu_plugin.kernels`), dequantised in backward;
 - recompute: the op's recompute unit (`costmodel.graph.standard_units`) runs under a non-reentrant
   checkpoint: a module's forward, or an expert op through the experts' runner. An op no unit
@@ -22,7 +23,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -46,21 +47,34 @@ from .ledger import Ledger, StorageKey, _storage
 class _Stored:
     """A device storage kept elsewhere, shared by every saver of it. `restore()` gives the whole
     storage back on the device as a flat tensor of the saved dtype (reused while alive, so two
-    savers unpacking it in backward share one copy)."""
+    savers unpacking it in backward share one copy); `prefetch()` starts that early."""
 
     def __init__(self, flat: torch.Tensor):
         self.dtype, self.device, self.numel = flat.dtype, flat.device, flat.numel()
         self.on_device: torch.Tensor | None = None  # set when a keeping saver makes this moot
         self._restored: Callable[[], torch.Tensor | None] = lambda: None
+        self._prefetched: torch.Tensor | None = None
+        self.on_restore: Callable[[_Stored], None] | None = None  # called at the first restore
 
     def restore(self) -> torch.Tensor:
         if self.on_device is not None:
             return self.on_device
         flat = self._restored()
         if flat is None:
-            flat = self._load()
+            flat = self._prefetched if self._prefetched is not None else self._load()
+            self._prefetched = None
+            self._ready(flat)
             self._restored = weakref.ref(flat)
+            if self.on_restore is not None:
+                self.on_restore(self)
         return flat
+
+    def prefetch(self) -> None:
+        if self.on_device is None and self._prefetched is None and self._restored() is None:
+            self._prefetched = self._load()
+
+    def _ready(self, flat: torch.Tensor) -> None:
+        """Make `flat` safe to read on the current stream."""
 
     def drop(self, flat: torch.Tensor) -> None:
         """Another saver keeps the storage on the device: serve that copy, free ours."""
@@ -68,13 +82,59 @@ class _Stored:
         self._release()
 
 
+def _size_class(nbytes: int) -> int:
+    """Host buffer sizes: 4 KiB, then steps of 1/8 of the power of two below (<= 12.5% unused)."""
+    if nbytes <= 4096:
+        return 4096
+    step = 1 << (nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
+
+
+class HostPool:
+    """Host buffers for offloaded storages, reused from micro-batch to micro-batch as a caching
+    allocator reuses device memory: pinned on CUDA (copies out and back run on side streams and
+    overlap compute), plain memory on CPU, where the same path runs synchronously. A buffer
+    returns to the pool when its copy dies, and is handed out again only once the copy back to
+    the device that read it has finished. The pool keeps what was once in use at the same time."""
+
+    def __init__(self, pinned: bool = False):
+        self.pinned = pinned
+        self.made = 0  # buffers allocated; `taken` - `made` were reused
+        self.taken = 0
+        self._free: dict[int, list[tuple[torch.Tensor, object]]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer of at least `nbytes`."""
+        self.taken += 1
+        free = self._free.get(_size_class(nbytes))
+        if free:
+            buffer, reading = free.pop()
+            if reading is not None:
+                reading.synchronize()
+            return buffer
+        self.made += 1
+        return torch.empty(_size_class(nbytes), dtype=torch.uint8, pin_memory=self.pinned)
+
+    def give(self, buffer: torch.Tensor, reading: object = None) -> None:
+        """Take `buffer` back; `reading`: the CUDA event of a copy still reading it, if any."""
+        self._free.setdefault(buffer.numel(), []).append((buffer, reading))
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The side stream for copies to and from `device` (one per device, reused)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
 class _HostCopy(_Stored):
-    def __init__(self, flat: torch.Tensor, ledger: Ledger):
+    def __init__(self, flat: torch.Tensor, ledger: Ledger, pool: HostPool):
         super().__init__(flat)
-        cuda = flat.is_cuda
-        self.host = torch.empty(flat.shape, dtype=flat.dtype, device="cpu", pin_memory=cuda)
-        if cuda:  # copy out on a side stream; backward waits for it
-            stream = torch.cuda.Stream(flat.device)
+        nbytes = flat.numel() * flat.element_size()
+        self.pool, self.buffer, self.loaded = pool, pool.take(nbytes), None
+        self.host = self.buffer[:nbytes].view(flat.dtype)
+        if flat.is_cuda:  # copy out on the side stream; the copy back waits for it
+            stream = pool.stream(flat.device)
             stream.wait_stream(torch.cuda.current_stream(flat.device))
             with torch.cuda.stream(stream):
                 self.host.copy_(flat, non_blocking=True)
@@ -85,13 +145,28 @@ class _HostCopy(_Stored):
         ledger.record(self.host, "host")
 
     def _load(self) -> torch.Tensor:
-        if self.device.type == "cuda":
-            self.copied.wait()
-            return self.host.to(self.device, non_blocking=True)
-        return self.host.clone()
+        if self.device.type != "cuda":
+            return self.host.clone()
+        stream = self.pool.stream(self.device)
+        stream.wait_event(self.copied)
+        with torch.cuda.stream(stream):
+            flat = self.host.to(self.device, non_blocking=True)
+        self.loaded = stream.record_event()
+        return flat
+
+    def _ready(self, flat: torch.Tensor) -> None:
+        if self.loaded is not None:  # made on the side stream, read on the current one
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.loaded)
+            flat.record_stream(current)
 
     def _release(self) -> None:
-        self.host = None
+        if self.buffer is not None:
+            self.pool.give(self.buffer, self.loaded)
+        self.buffer = self.host = None
+
+    def __del__(self) -> None:
+        self._release()
 
 
 class _Quantized(_Stored):
@@ -135,12 +210,31 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.new_empty(0).set_(storage, 0, (storage.nbytes() // tensor.element_size(),), (1,))
 
 
+@dataclass
+class _Offloads:
+    """The host copies one op made in one micro-batch's forward, after those of the op before."""
+
+    op: OpId | None
+    before: _Offloads | None
+    copies: list = field(default_factory=list)  # weak references: backward frees them
+
+    def prefetch_before(self, _restored: _Stored) -> None:
+        if self.before is not None:
+            for ref in self.before.copies:
+                copy = ref()
+                if copy is not None:
+                    copy.prefetch()
+
+
 class SavedTensorHooks:
     """pack/unpack for `torch.autograd.graph.saved_tensors_hooks`: each saved tensor is kept,
     offloaded or quantised as the plan says for the op running when it is saved."""
 
-    def __init__(self, plan: Plan, ledger: Ledger, current_op: Callable[[], OpId | None], options: MitigationOptions):
-        self.plan, self.ledger, self.current_op, self.options = plan, ledger, current_op, options
+    def __init__(
+        self, plan: Plan, ledger: Ledger, current_op: Callable[[], OpId | None], options: MitigationOptions, pool: HostPool
+    ):
+        self.plan, self.ledger, self.current_op, self.options, self.pool = plan, ledger, current_op, options, pool
+        self._last_offload: dict[int | None, _Offloads] = {}  # per micro-batch: its latest op's host copies
         self._forms: dict[StorageKey, tuple[str, object, weakref.ref]] = {}  # live storages this plan has packed
 
     def layer_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -168,7 +262,7 @@ class SavedTensorHooks:
         if stored is None:
             flat = _flat(tensor)
             if strategy == "offload":
-                stored = _HostCopy(flat, self.ledger)
+                stored = self._offload(flat, op)
             else:
                 stored = _Quantized(flat, self.ledger, self.options.fp8_block_size, self.options.quant_format)
             # While the base tensor object lives, so does its storage: no other storage can take
@@ -176,6 +270,19 @@ class SavedTensorHooks:
             self._remember(tensor._base if tensor._base is not None else tensor, key, strategy, stored)
         view = _View(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor._version, weakref.ref(tensor))
         return "stored", (stored, view)
+
+    def _offload(self, flat: torch.Tensor, op: OpId) -> _HostCopy:
+        """A host copy, grouped with the other copies `op` makes in this micro-batch: restoring
+        the first of a group (backward reached that op) prefetches the group of the op before it,
+        so its copies come back while this op's backward runs."""
+        copy = _HostCopy(flat, self.ledger, self.pool)
+        mb = self.ledger.micro_batch
+        group = self._last_offload.get(mb)
+        if group is None or group.op != op:
+            group = self._last_offload[mb] = _Offloads(op, before=group)
+        group.copies.append(weakref.ref(copy))
+        copy.on_restore = group.prefetch_before
+        return copy
 
     def _keep(self, tensor: torch.Tensor, found):
         packed = self.ledger.pack(tensor)
@@ -385,7 +492,8 @@ class PlanRuntime:
             static_bytes=static_bytes,
             current_op=lambda: self.tracker.current,
         )
-        self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options)
+        cuda = any(p.is_cuda for p in self.adapter.model.parameters())
+        self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options, HostPool(pinned=cuda))
         self._regions: set[tuple[int, tuple[str, ...]]] = set()
         self._ops = frozenset(self.adapter.ops())  # set_plan runs per micro-batch: list them once
         self._stack: ExitStack | None = None
