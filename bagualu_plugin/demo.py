@@ -166,7 +166,7 @@ class PolicyRun:
                             self.runner.end_backward(mb)
                     elif adaptive:
                         before = self.static + ledger.live_device_bytes
-                        self.runner.begin_forward(mb, batch.tokens, batch.seq_len)
+                        self.runner.begin_forward(mb, batch.tokens, batch.seq_len, phase=step.phase, in_flight=len(losses))
                         try:
                             losses[mb] = self._loss(mb)
                         finally:

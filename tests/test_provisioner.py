@@ -119,3 +119,16 @@ def test_gate_escalates_exactly_the_spiking_layer_and_defers_in_warmup():
     finally:
         prov.remove()
         set_expert_parallel(adapter, 1, 0)
+
+
+def test_engine_phase_and_in_flight_are_checked():
+    model = tiny_model("glm4_moe", num_hidden_layers=4)
+    cm = model_cost(model)
+    prov = apply(model, _recipe(model, int(2.5 * cm.activation_bytes(BATCH * SEQ, seq_len=SEQ))), cm)
+    try:
+        with pytest.raises(ValueError, match=r"begin_forward\(0\): the engine says phase='steady'.*expects 'warmup'"):
+            prov.begin_forward(0, BATCH * SEQ, SEQ, phase="steady")
+        with pytest.raises(ValueError, match=r"in_flight=2.*expects 0.*end_backward"):
+            prov.begin_forward(0, BATCH * SEQ, SEQ, in_flight=2)
+    finally:
+        prov.remove()

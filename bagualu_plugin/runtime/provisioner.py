@@ -3,9 +3,12 @@
 At each pipeline scheduling point the Provisioner gives the next forward micro-batch its budget
 (Algorithm 1), plans per-operator mitigation for the routing it expects (Algorithm 2, cached),
 and installs the plan. Right after each MoE gate the real local routed pairs are known: if they
-would take the micro-batch over its budget, that layer's experts are escalated to recompute
-before they run (deferred planning). After the forward the budget is replaced by what the Ledger
-counted. The engine (nanotron's pipeline, or `run_stage` here) calls `begin_forward`,
+would take the micro-batch over its budget, then in warmup, when the later warmup micro-batches
+can give the bytes up and still keep M0, their budgets shrink instead; otherwise that layer's
+routed experts are recomputed as one unit before they run (deferred planning). That is the
+strongest escalation left once the router has run (the paper recomputes the whole MoE block),
+and it holds nothing per routed pair, the only bytes a spike adds. After the forward the budget
+is replaced by what the Ledger counted. The engine (nanotron's pipeline, or `run_stage` here) calls `begin_forward`,
 `end_forward`, `end_backward`.
 """
 
@@ -77,12 +80,28 @@ class Provisioner:
     def ledger(self) -> Ledger:
         return self.runtime.ledger
 
-    def begin_forward(self, mb: int, tokens: int, seq_len: int) -> None:
-        """Budget and plan micro-batch `mb` for balanced routing; its saved tensors go through the
-        plan until `end_forward`."""
+    def begin_forward(
+        self, mb: int, tokens: int, seq_len: int, *, phase: str | None = None, in_flight: int | None = None
+    ) -> None:
+        """Budget and plan micro-batch `mb` of `tokens` tokens for the normal routing band; its
+        saved tensors go through the plan until `end_forward`. An engine that knows the schedule
+        passes `phase` ("warmup" or "steady") and `in_flight` (micro-batches awaiting backward,
+        nanotron's `len(state.microbatches_activations_requiring_backward)`): they are checked
+        against Algorithm 1's state, whose budgets are wrong if the two disagree."""
         start = time.perf_counter()
         if mb == 0:  # a new iteration: Algorithm 1 starts over
             self.budgets = self._first
+        # the schedule's phase: 1F1B's steady phase starts one forward before Algorithm 1's does
+        # (that forward also runs before any backward, so Algorithm 1 budgets it as warmup)
+        pipe = self.recipe.pipeline
+        scheduled = "warmup" if mb < min(pipe.pp - pipe.rank - 1, pipe.micro_batches) else "steady"
+        for name, given, wanted in (("phase", phase, scheduled), ("in_flight", in_flight, len(self._awaiting_backward))):
+            if given is not None and given != wanted:
+                raise ValueError(
+                    f"begin_forward({mb}): the engine says {name}={given!r}, but pipeline rank {pipe.rank} of "
+                    f"pp {pipe.pp} running 1F1B expects {wanted!r}: check the recipe's pipeline section against "
+                    "the engine, and that end_backward is called"
+                )
         budget = self.budgets.budget(mb)
         # plan for the common case (97.1% of iterations stay under normal_max_imbalance, §II-B);
         # heavier routing is caught at the gate
@@ -91,7 +110,7 @@ class Provisioner:
         self.runtime.set_plan(decision.plan)
         self._event = {
             "micro_batch": mb,
-            "phase": "warmup" if mb < self.warmup else "steady",
+            "phase": scheduled,
             "budget": budget,
             "predicted": decision.activation_bytes,
             "plan": {str(op): s for op, s in sorted(decision.plan.items())},
@@ -130,7 +149,7 @@ class Provisioner:
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
         """Deferred planning: the experts of `layer` have not run yet; if the pairs routed here
-        would overrun this micro-batch's slack, recompute them (strongest first)."""
+        would overrun this micro-batch's slack, defer to later warmup budgets or recompute them."""
         if self._mb is None or layer not in self._per_pair:
             return
         pairs = int(local_pairs)  # one host sync per MoE layer
@@ -199,7 +218,7 @@ def run_stage(
     for step in one_f_one_b(pp, rank, len(batches)):
         ids = batches[step.micro_batch]
         if step.kind == "F":
-            provisioner.begin_forward(step.micro_batch, ids.numel(), ids.shape[-1])
+            provisioner.begin_forward(step.micro_batch, ids.numel(), ids.shape[-1], phase=step.phase, in_flight=len(losses))
             try:
                 losses[step.micro_batch] = model(input_ids=ids, labels=ids).loss
             finally:
