@@ -158,8 +158,12 @@ def _demo(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe)
     policies = args.policies or list(POLICIES)
-    with tqdm(total=args.steps * len(policies), desc="policy iterations", unit="it") as bar:
-        results = run_demo(recipe, args.steps, policies, seed=args.seed, progress=bar.update)
+    try:
+        with tqdm(total=args.steps * len(policies), desc="policy iterations", unit="it") as bar:
+            results = run_demo(recipe, args.steps, policies, seed=args.seed, progress=bar.update)
+    except ValueError as exc:  # e.g. a capacity that cannot hold M0, found before training
+        print(f"bagualu demo: {args.recipe}: {exc}", file=sys.stderr)
+        return 2
     rows = summary(results)
     spikes = recipe.spikes
     title = (

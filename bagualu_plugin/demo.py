@@ -134,6 +134,7 @@ class PolicyRun:
         self.static = _static_bytes(recipe)
         self.result = PolicyResult(policy, 0, 0, 0.0, 0, 0, recipe.hardware.capacity_bytes)
         self._times: list[float] = []
+        self._install()  # a capacity that cannot hold M0 fails here, before any training
 
     def _install(self) -> None:
         if self.current == "adaptive":
