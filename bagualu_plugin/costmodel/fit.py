@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .graph import INPUT, BlockGraph, OpSpec, TensorSpec
+from .graph import BlockGraph, OpSpec, TensorSpec
 from .linear import LinearForm, Load
 
 COEFFICIENTS = ("const", "per_token", "per_routed", "per_score", "per_position", "per_sequence", "per_single", "per_single_token")
@@ -65,6 +65,7 @@ class TensorSample:
     nbytes: int
     shared: bool = False  # handed to every layer as an argument (RoPE tables, masks)
     held_by: tuple[int, ...] = ()  # a layer argument nothing saves: held by these layers' regions
+    receivers: tuple[str, ...] = ()  # ops recomputed alone that take it as an argument (and hold it)
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def _align(samples: Sequence[BlockSample]) -> list[list[TensorSample]]:
     groups: dict[tuple, list[list[TensorSample]]] = {}
     for r, s in enumerate(samples):
         for t in s.tensors:
-            runs = groups.setdefault((t.savers, t.itemsize, t.floating, t.shared, t.held_by), [[] for _ in samples])
+            runs = groups.setdefault((t.savers, t.itemsize, t.floating, t.shared, t.held_by, t.receivers), [[] for _ in samples])
             runs[r].append(t)
     columns = []
     for key, runs in groups.items():
@@ -166,7 +167,8 @@ def fit_block(
     first = samples[0]
     loads = [s.load for s in samples]
     tensors = []
-    for i, column in enumerate(_align(samples)):
+    columns = _align(samples)
+    for i, column in enumerate(columns):
         t = column[0]
         op = t.producer if t.producer in first.ops else (t.savers or first.ops)[0]
         elements = [c.nbytes / t.itemsize for c in column]
@@ -176,13 +178,9 @@ def fit_block(
         tensors.append(TensorSpec(f"{op}.{i}", t.producer, t.savers, form, t.itemsize, t.floating, t.shared, t.held_by))
 
     def inputs(op: str) -> tuple[str, ...]:
-        """What an op reads, as far as memory is concerned: tensors it saves that other ops made,
-        and for the first op the block's input (which a recompute region starting there holds)."""
-        return tuple(
-            t.name
-            for t in tensors
-            if (op in t.savers and t.producer != op) or (t.producer == INPUT and op == first.ops[0])
-        )
+        """What an op reads, as far as memory is concerned (what a recompute region holds): the
+        arguments it receives when recomputed alone, and tensors it saves that other ops made."""
+        return tuple(t.name for t, s in zip(tensors, columns) if op in s[0].receivers or (op in t.savers and t.producer != op))
 
     ops = tuple(
         OpSpec(

@@ -319,7 +319,7 @@ class SavedTensorHooks:
 # recompute units
 
 
-def _unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Module | None:
+def unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Module | None:
     """The module whose forward runs `unit` (a recompute unit or a span); None for the expert ops
     (run by the runner)."""
     if layer == -1:
@@ -526,7 +526,7 @@ class PlanRuntime:
         stack.callback(self.tracker.remove)
         for layer in [-1, *(part.index for part in a.layers), a.head_index]:
             for unit in dict.fromkeys((*block_units(a, layer), *block_spans(a, layer))):
-                module = _unit_module(a, layer, unit)
+                module = unit_module(a, layer, unit)
                 if module is not None:  # expert ops have no module: the runner checkpoints them
                     self._wrap(module, layer, unit, stack)
         for part in a.layers:

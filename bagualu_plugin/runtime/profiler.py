@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 from tqdm.auto import tqdm
 
 from ..adapters import Adapter, OpTracker, shared_arguments
-from ..adapters.experts import set_expert_parallel
+from ..adapters.experts import RUNNER_ATTR, set_expert_parallel
 from ..adapters.gate import GateMonitor, RoutingSkew
 from ..costmodel.fit import BlockSample, TensorSample, fit_block
 from ..costmodel.graph import INPUT, OpId, standard_spans, standard_units
@@ -28,6 +28,7 @@ from ..costmodel.linear import Load
 from ..costmodel.model import CostModel
 from ..hardware import HardwareSpec, preset
 from .ledger import Ledger
+from .mitigation import block_units, unit_module
 
 
 def _ptr(t: object) -> int | None:
@@ -200,23 +201,33 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     # memory: one pass, recording every saved storage with its savers and its maker
     provenance = _Provenance(tracker)
     ledger = Ledger.for_model(model, current_op=lambda: tracker.current, source=provenance.source)
-    held: dict[int, tuple[int, torch.Tensor]] = {}  # block input storages, by block
-    shared: dict[int, torch.Tensor] = {}  # storages every layer receives (RoPE tables, masks),
-    # kept alive for the pass so that no later tensor can take their addresses
-    receivers: dict[int, list[int]] = {}  # which layers received each of them
+    # Storages handed to a layer (RoPE tables, masks) or to an op recomputed alone, kept alive for
+    # the pass so that no later tensor can take their addresses, and who received them.
+    shared: dict[int, torch.Tensor] = {}
+    receivers: dict[int, list[int]] = {}  # layers, for the shared storages
+    received: dict[int, torch.Tensor] = {}
+    takers: dict[int, list[OpId]] = {}  # single ops, for the others
 
-    def block_input(index):
+    def layer_arguments(index):
         def hook(_module, args, kwargs):
-            x = args[0] if args else kwargs["hidden_states"]
-            held.setdefault(index, (_ptr(x), x))
             for t in shared_arguments(args, kwargs):
                 shared[_ptr(t)] = t
                 receivers.setdefault(_ptr(t), []).append(index)
 
         return hook
 
-    modules = [(layer.index, layer.module) for layer in adapter.layers] + [(adapter.head_index, adapter.decoder.norm)]
-    hooks = [m.register_forward_pre_hook(block_input(i), with_kwargs=True) for i, m in modules]
+    def receive(op: OpId, arguments) -> None:
+        for t in tree_leaves(arguments):
+            if _ptr(t) is not None:
+                received[_ptr(t)] = t
+                takers.setdefault(_ptr(t), []).append(op)
+
+    hooks = [layer.module.register_forward_pre_hook(layer_arguments(layer.index), with_kwargs=True) for layer in adapter.layers]
+    for op, module in _alone(adapter):
+        if module is None:  # an expert op: its arguments pass through the experts' runner
+            setattr(adapter.layers[op.layer].experts, RUNNER_ATTR, _receiving(op.layer, receive))
+        else:
+            hooks.append(module.register_forward_pre_hook(lambda _m, args, kwargs, op=op: receive(op, (args, kwargs)), with_kwargs=True))
     try:
         with ledger.track(), provenance:
             loss = _forward(model, ids)
@@ -226,6 +237,9 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     finally:
         for h in hooks:
             h.remove()
+        for layer in adapter.layers:
+            if layer.moe:
+                delattr(layer.experts, RUNNER_ATTR)
     del loss
 
     # time: forward by op scopes, backward by autograd nodes; medians over repeats
@@ -255,13 +269,26 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
         values = sorted(r.get(op, 0.0) for r in runs)
         return values[len(values) // 2]
 
+    def producer(source: OpId | None, layer: int, ptr: int) -> str | None:
+        """The op of `layer` that made a storage, or INPUT: the input ids, or made in another
+        block. None: made inside the saving op's own call (an output saved as it is made, norm
+        statistics), before the Provenance saw it."""
+        if ptr == _ptr(ids):
+            return INPUT
+        return None if source is None else source.name if source.layer == layer else INPUT
+
+    def taken(layer: int, ptr: int) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(op.name for op in takers.get(ptr, ()) if op.layer == layer))
+
     tensors: dict[int, list[TensorSample]] = {}
     for r in records:
-        op = r.op
-        producer = r.source.name if r.source is not None and r.source.layer == op.layer else (INPUT if r.source else op.name)
+        op, ptr = r.op, r.key[1]
         savers = tuple(dict.fromkeys(s.name for s in r.savers if s.layer == op.layer))
         tensors.setdefault(op.layer, []).append(
-            TensorSample(producer, savers, r.dtype.itemsize, r.dtype.is_floating_point, r.nbytes, r.key[1] in shared)
+            TensorSample(
+                producer(r.source, op.layer, ptr) or op.name, savers, r.dtype.itemsize, r.dtype.is_floating_point,
+                r.nbytes, ptr in shared, receivers=taken(op.layer, ptr),
+            )
         )
     saved = {r.key[1] for r in records}
     for ptr, tensor in shared.items():  # arguments nothing saves: held only by recompute regions
@@ -272,10 +299,14 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
                 held_by=layers,
             )
             tensors.setdefault(-1, []).append(t)
-    for index, (ptr, tensor) in held.items():
-        if ptr not in saved:  # an input nothing saves: held only by a recompute region
-            t = TensorSample(INPUT, (), tensor.dtype.itemsize, tensor.dtype.is_floating_point, tensor.untyped_storage().nbytes())
-            tensors.setdefault(index, []).append(t)
+    for ptr, tensor in received.items():  # arguments nothing saves: held only by recompute regions
+        if ptr not in saved and ptr not in shared:
+            for layer in dict.fromkeys(op.layer for op in takers[ptr]):
+                t = TensorSample(
+                    producer(provenance.source(tensor), layer, ptr) or INPUT, (), tensor.dtype.itemsize,
+                    tensor.dtype.is_floating_point, tensor.untyped_storage().nbytes(), receivers=taken(layer, ptr),
+                )
+                tensors.setdefault(layer, []).append(t)
 
     blocks: dict[int, BlockSample] = {}
     for index in dict.fromkeys(op.layer for op in order):
@@ -292,6 +323,24 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
             {name: median(backward, OpId(index, name)) for name in ops},
         )
     return blocks
+
+
+def _alone(adapter: Adapter) -> list[tuple[OpId, torch.nn.Module | None]]:
+    """The ops that are recompute units of their own, each with the module whose forward its
+    checkpoint region replays (None: an expert op, which the experts' runner replays). Such a
+    region holds every tensor that forward receives, whether or not any op saves it."""
+    blocks = [-1, *(layer.index for layer in adapter.layers), adapter.head_index]
+    return [(OpId(b, u[0]), unit_module(adapter, b, u)) for b in blocks for u in block_units(adapter, b) if len(u) == 1]
+
+
+def _receiving(layer: int, receive):
+    """An experts' runner that reports each expert op's arguments before running it."""
+
+    def run(name, op, experts, *args, **kwargs):
+        receive(OpId(layer, name), (args, kwargs))
+        return op(experts, *args, **kwargs)
+
+    return run
 
 
 def _kind(adapter: Adapter, index: int) -> str:
