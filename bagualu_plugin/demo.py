@@ -216,10 +216,10 @@ class PolicyRun:
 
 
 def _caching_host_allocator() -> None:
-    """Keep freed host memory for reuse, as a GPU's caching allocator does. By default glibc maps
-    every block over 128 KiB afresh and unmaps it when freed, so a policy that keeps more
-    activations alive pays page faults per allocation that no GPU run pays (15% of an iteration
-    of the demo without mitigation). No-op where the C library is not glibc."""
+    """Keep freed host memory for reuse, as a GPU's caching allocator does, for the rest of the
+    process. By default glibc maps every block over 128 KiB afresh and unmaps it when freed, so a
+    policy that keeps more activations alive pays page faults per allocation that no GPU run pays
+    (15% of an iteration of the demo without mitigation). No-op where the C library is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
