@@ -150,7 +150,7 @@ class PolicyRun:
             self._install()
         pipe, par, batch, result = self.recipe.pipeline, self.recipe.parallel, self.recipe.batch, self.result
         ledger, adaptive = self.runner.ledger, self.current == "adaptive"
-        start, losses, step = time.perf_counter(), {}, None
+        start, losses = time.perf_counter(), {}
         try:
             for step in one_f_one_b(pipe.pp, pipe.rank, pipe.micro_batches):
                 mb, imbalance = step.micro_batch, self.schedule[it][step.micro_batch]
@@ -181,6 +181,7 @@ class PolicyRun:
                             losses[mb] = self._loss(mb)
                 entry.update(live=self.static + ledger.live_device_bytes, peak=self.static + ledger.peak_device_bytes)
                 result.timeline.append(entry)
+                result.peak_device_bytes = max(result.peak_device_bytes, entry["peak"])
             elapsed = time.perf_counter() - start
             self._times.append(elapsed)
             result.seconds += elapsed
@@ -189,17 +190,13 @@ class PolicyRun:
         except SimulatedOutOfMemoryError as oom:
             losses.clear()
             result.ooms += 1
-            result.timeline.append(
-                {"iteration": it, "micro_batch": step.micro_batch, "kind": step.kind, "oom": True,
-                 "spike": max(self.schedule[it][step.micro_batch].values()),
-                 "live": self.static + oom.live_bytes, "peak": self.static + oom.live_bytes + oom.requested_bytes}
-            )
+            # the step that ran out (a forward: only forwards save); its peak is what it asked for
+            entry.update(oom=True, live=self.static + oom.live_bytes, peak=self.static + oom.live_bytes + oom.requested_bytes)
+            result.timeline.append(entry)
             mean = sum(self._times) / len(self._times) if self._times else time.perf_counter() - start
             result.seconds += self.recipe.spikes.restart_iterations * mean  # a cold restart
             self.close()
             self.current = "full_recompute"  # then the conservative policy
-        finally:
-            result.peak_device_bytes = max([result.peak_device_bytes, *(e["peak"] for e in result.timeline if not e.get("oom"))])
 
     def _loss(self, mb: int) -> torch.Tensor:
         ids = self.batches[mb]

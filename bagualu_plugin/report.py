@@ -32,12 +32,7 @@ def plot_curves(
     title: str,
 ) -> Path:
     """Draw one or more iteration curves of the same schedule; phases are shaded from the first."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(11, 5.5))
+    fig, ax = _axes((11, 5.5))
     first = curves[0][1]
     for phase, colour in _PHASE_COLOURS.items():
         idx = [i for i, s in enumerate(first.steps) if s.phase == phase]
@@ -67,11 +62,7 @@ def plot_curves(
     ax.set_ylabel("device memory (GiB)")
     ax.set_title(title, fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_timeline(
@@ -80,12 +71,7 @@ def plot_timeline(
     """Device memory of every demo policy, step by step (`demo.PolicyResult.timeline`): the peak of
     each forward or backward, the capacity, the adaptive budgets, spiking micro-batches shaded,
     OOMs crossed. `steps`: forwards and backwards per iteration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(12, 5.5))
+    fig, ax = _axes((12, 5.5))
     colours = ("#1f4e79", "#c0392b", "#7f8c8d", "#d35400", "#7d3c98", "#117a65")
     spiked, ooms = set(), []
     for result, colour in zip(results, colours):
@@ -113,11 +99,7 @@ def plot_timeline(
     ax.set_ylabel("device memory (MiB): peak of each step")
     ax.set_title(title, fontsize=9)
     ax.legend(loc="lower right", fontsize=7, ncol=2)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 
@@ -127,3 +109,23 @@ def _positions(timeline: Sequence[dict], steps: int):
     for entry in timeline:
         i = place[entry["iteration"]] = place.get(entry["iteration"], 0) + 1
         yield entry["iteration"] + i / steps, entry
+
+
+def _axes(size: tuple[float, float]):
+    """A figure and its axes, drawn off screen (no display on training machines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=size)
+
+
+def _save(fig, path: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

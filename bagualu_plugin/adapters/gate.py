@@ -52,31 +52,26 @@ def tokens_per_expert(top_k_index: torch.Tensor, num_experts: int) -> torch.Tens
     return counts.scatter_add_(0, ids, torch.ones_like(ids))[:num_experts]
 
 
-class GateMonitor:
-    """Per-MoE-layer routed counts, recorded at gate time as device tensors.
+class _RouterHooks:
+    """The subclass's `_hook(layer, module, args, output)` as a forward hook on the router of
+    each of `layers`, installed and removed together (also as a context manager), with this
+    expert-parallel rank's local expert range per layer."""
 
-    on_gate(layer_index, tokens_per_expert (E,), local_pairs (0-dim)) is called in forward only:
-    when a checkpoint re-runs a layer during backward the routing is known already, so the hook
-    neither calls on_gate nor overwrites the records (decisions are never taken twice)."""
+    prepend = False  # run ahead of the routers' other forward hooks
 
-    def __init__(self, adapter, ep_size: int = 1, ep_rank: int = 0, on_gate: OnGate | None = None):
-        self.adapter = _adapter(adapter)
-        if on_gate is not None and not callable(on_gate):
-            raise ValueError(f"on_gate must be callable or None, got {on_gate!r}")
-        self.layers = [layer for layer in self.adapter.layers if layer.moe]
+    def __init__(self, adapter: Adapter, layers: list[Layer], ep_size: int, ep_rank: int):
+        self.adapter, self.layers = adapter, layers
         self.local = {
             layer.index: local_expert_range(layer.experts.num_experts, ep_size, ep_rank) for layer in self.layers
         }
-        self.ep_size, self.ep_rank, self.on_gate = ep_size, ep_rank, on_gate
-        self._counts: dict[int, torch.Tensor] = {}
-        self._local: dict[int, torch.Tensor] = {}
+        self.ep_size, self.ep_rank = ep_size, ep_rank
         self._handles: list[RemovableHandle] = []
 
-    def install(self) -> GateMonitor:
+    def install(self):
         if self._handles:
-            raise RuntimeError("GateMonitor is installed already")
+            raise RuntimeError(f"{type(self).__name__} is installed already")
         for layer in self.layers:
-            self._handles.append(layer.router.register_forward_hook(partial(self._hook, layer)))
+            self._handles.append(layer.router.register_forward_hook(partial(self._hook, layer), prepend=self.prepend))
         return self
 
     def remove(self) -> None:
@@ -84,11 +79,28 @@ class GateMonitor:
             handle.remove()
         self._handles.clear()
 
-    def __enter__(self) -> GateMonitor:
+    def __enter__(self):
         return self.install()
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+class GateMonitor(_RouterHooks):
+    """Per-MoE-layer routed counts, recorded at gate time as device tensors.
+
+    on_gate(layer_index, tokens_per_expert (E,), local_pairs (0-dim)) is called in forward only:
+    when a checkpoint re-runs a layer during backward the routing is known already, so the hook
+    neither calls on_gate nor overwrites the records (decisions are never taken twice)."""
+
+    def __init__(self, adapter, ep_size: int = 1, ep_rank: int = 0, on_gate: OnGate | None = None):
+        if on_gate is not None and not callable(on_gate):
+            raise ValueError(f"on_gate must be callable or None, got {on_gate!r}")
+        adapter = _adapter(adapter)
+        super().__init__(adapter, [layer for layer in adapter.layers if layer.moe], ep_size, ep_rank)
+        self.on_gate = on_gate
+        self._counts: dict[int, torch.Tensor] = {}
+        self._local: dict[int, torch.Tensor] = {}
 
     def _hook(self, layer: Layer, module: nn.Module, args, output) -> None:
         if is_inside_backward():
@@ -133,7 +145,7 @@ _HASH_LAYER = 1779033703
 _HASH_RANGE = 1 << 32
 
 
-class RoutingSkew:
+class RoutingSkew(_RouterHooks):
     """Rewrite `fraction` of the (token, slot) pairs of each router output onto this rank's experts.
 
     Which pairs: a pure function of the flat pair position p = token * k + slot and the layer
@@ -145,12 +157,14 @@ class RoutingSkew:
     reach the router. Registered before other router hooks, so `GateMonitor` sees the new routing.
     """
 
+    prepend = True
+
     def __init__(self, adapter, fraction: float, ep_size: int, ep_rank: int, layers: Iterable[int] | None = None):
-        self.adapter = _adapter(adapter)
+        adapter = _adapter(adapter)
         if isinstance(fraction, bool) or not isinstance(fraction, Real) or not 0.0 <= float(fraction) <= 1.0:
             raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
         self.fraction = float(fraction)
-        moe = {layer.index: layer for layer in self.adapter.layers if layer.moe}
+        moe = {layer.index: layer for layer in adapter.layers if layer.moe}
         if layers is None:
             chosen = list(moe)
         else:
@@ -160,31 +174,7 @@ class RoutingSkew:
             bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or i not in moe]
             if bad:
                 raise ValueError(f"layers {bad} are not MoE layers; MoE layers: {sorted(moe)}")
-        self.layers = [moe[i] for i in chosen]
-        self.local = {
-            layer.index: local_expert_range(layer.experts.num_experts, ep_size, ep_rank) for layer in self.layers
-        }
-        self.ep_size, self.ep_rank = ep_size, ep_rank
-        self._handles: list[RemovableHandle] = []
-
-    def install(self) -> RoutingSkew:
-        if self._handles:
-            raise RuntimeError("RoutingSkew is installed already")
-        for layer in self.layers:
-            hook = partial(self._hook, layer)
-            self._handles.append(layer.router.register_forward_hook(hook, prepend=True))
-        return self
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def __enter__(self) -> RoutingSkew:
-        return self.install()
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
+        super().__init__(adapter, [moe[i] for i in chosen], ep_size, ep_rank)
 
     def _hook(self, layer: Layer, module: nn.Module, args, output):
         router_logits, top_k_weights, top_k_index = _router_output(layer, output)

@@ -19,7 +19,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -55,13 +55,13 @@ class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
         )
 
 
-@dataclass(frozen=True)
-class Record:
+class Record(NamedTuple):
     """One live saved storage and how many bytes it holds where.
 
     ``op`` first saved it and is charged for it; ``savers`` are all ops that saved it, in order
     (a storage saved by two ops is freed only when both are mitigated); ``source`` is what the
     ledger's ``source`` callback said made it; ``dtype`` is that of its first saved tensor.
+    A named tuple: one is made for every new saved storage, on the training path.
     """
 
     key: StorageKey
@@ -76,22 +76,8 @@ class Record:
 
 @dataclass(slots=True)
 class _Live:
-    """A live storage as `record` is about to describe it (mutable and cheap to make: one is
-    made for every new saved storage, on the training path)."""
-
-    key: StorageKey
-    nbytes: int
-    residency: Residency
-    op: object
-    micro_batch: int | None
-    dtype: torch.dtype
-    source: object
-    savers: list
+    record: Record
     holders: list = field(default_factory=list)  # weak references to its recorded tensor objects
-
-    def record(self) -> Record:
-        return Record(self.key, self.nbytes, self.residency, self.op, self.micro_batch, self.dtype, self.source,
-                      tuple(self.savers))
 
 
 def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int] | None:
@@ -212,12 +198,12 @@ class Ledger:
             if entry is None:
                 if residency == "device":
                     self._check_capacity(nbytes, op, micro_batch)
-                entry = _Live(key, nbytes, residency, op, micro_batch, tensor.dtype, source, [op])
+                entry = _Live(Record(key, nbytes, residency, op, micro_batch, tensor.dtype, source, (op,)))
                 self._live[key] = entry
                 self._bytes[residency] += nbytes
                 self._peak = max(self._peak, self._bytes["device"])
-            elif op not in entry.savers:
-                entry.savers.append(op)
+            elif op not in entry.record.savers:
+                entry.record = entry.record._replace(savers=(*entry.record.savers, op))
             # a weakref callback (not weakref.finalize, 25x dearer): called once, when `tensor` dies
             entry.holders.append(weakref.ref(tensor, lambda ref, entry=entry: self._released.append((entry, ref))))
 
@@ -252,7 +238,7 @@ class Ledger:
     def records(self) -> list[Record]:
         """Live records, in the order their storages were first recorded."""
         with self._locked():
-            return [entry.record() for entry in self._live.values()]
+            return [entry.record for entry in self._live.values()]
 
     def allocated_bytes(self) -> int:
         """Bytes held by the CUDA caching allocator on this device (everything, not activations)."""
@@ -274,11 +260,12 @@ class Ledger:
             entry, ref = self._released.popleft()
             entry.holders.remove(ref)
             if not entry.holders:
+                record = entry.record
                 # Evict, so that a new storage at the same address is a new record.
-                evicted = self._live.pop(entry.key)
-                assert evicted is entry, entry
-                self._bytes[entry.residency] -= entry.nbytes
-                assert self._bytes[entry.residency] >= 0, self._bytes
+                evicted = self._live.pop(record.key)
+                assert evicted is entry, record
+                self._bytes[record.residency] -= record.nbytes
+                assert self._bytes[record.residency] >= 0, self._bytes
 
     def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
         live = self._bytes["device"]
@@ -288,15 +275,16 @@ class Ledger:
                 requested_bytes=nbytes, op=op, micro_batch=micro_batch,
             )
 
-    def _group(self, by: Callable[[_Live], object], residency: Residency) -> dict:
+    def _group(self, by: Callable[[Record], object], residency: Residency) -> dict:
         if residency not in _RESIDENCIES:
             raise ValueError(f"residency must be one of {_RESIDENCIES}, got {residency!r}")
         out: dict = {}
         with self._locked():
             for entry in self._live.values():  # read in place: this runs after every forward
-                if entry.residency == residency:
-                    group = by(entry)
-                    out[group] = out.get(group, 0) + entry.nbytes
+                record = entry.record
+                if record.residency == residency:
+                    group = by(record)
+                    out[group] = out.get(group, 0) + record.nbytes
         return out
 
     def _exclusion_keys(self) -> frozenset[StorageKey]:
