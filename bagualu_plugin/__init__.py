@@ -10,7 +10,8 @@ from .config import Recipe, RecipeError, load_recipe
 from .costmodel import CostModel, ModelDims, OpId, Parallel
 from .costmodel.plan import Plan
 from .hardware import HardwareSpec
-from .runtime.mitigation import apply_plan, find_conflicts
+from .adapters.costs import find_conflicts
+from .runtime.plan_runtime import apply_plan
 from .runtime.profiler import profile
 from .runtime.provisioner import apply
 

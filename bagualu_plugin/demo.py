@@ -37,7 +37,7 @@ from .costmodel.pipeline import one_f_one_b
 from .costmodel.plan import Plan
 from .planner import plan_micro_batch
 from .runtime.ledger import SimulatedOutOfMemoryError
-from .runtime.mitigation import PlanRuntime
+from .runtime.plan_runtime import PlanRuntime
 from .runtime.profiler import profile
 from .runtime.provisioner import Provisioner
 from .report import table

@@ -30,7 +30,9 @@ from bagualu_plugin.costmodel import OpId
 from bagualu_plugin.costmodel.mitigation import MitigationOptions
 from bagualu_plugin.costmodel.plan import Plan
 from bagualu_plugin.runtime import Ledger
-from bagualu_plugin.runtime.mitigation import PlanRuntime, apply_plan, block_spans, block_units, find_conflicts, model_cost
+from bagualu_plugin.adapters.costs import find_conflicts, model_cost
+from bagualu_plugin.adapters.units import block_spans, block_units
+from bagualu_plugin.runtime.plan_runtime import PlanRuntime, apply_plan
 
 IDS = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
 TOKENS, SEQ = 96, 48
@@ -245,20 +247,20 @@ def test_bad_plans_are_rejected_before_anything_is_installed():
 def test_offload_reuses_host_buffers_and_prefetches_the_op_before(monkeypatch):
     """Three micro-batches, every op offloaded: the host pool allocates for the first only, each
     op's backward brings the copies of the op before it back early, gradients stay bitwise."""
-    from bagualu_plugin.runtime import mitigation
+    from bagualu_plugin.runtime import storage
 
     model = tiny_model("glm4_moe")
     plan = Plan(dict.fromkeys(bgl.list_ops(model), "offload"))
     loss, reference, _ = run(model)
     prefetched, served = 0, 0
-    original = mitigation._Stored.prefetch
+    original = storage.Stored.prefetch
 
     def prefetch(self):
         if self._prefetched is None and self._restored() is None:
             self.early = True
         original(self)
 
-    monkeypatch.setattr(mitigation._Stored, "prefetch", prefetch)
+    monkeypatch.setattr(storage.Stored, "prefetch", prefetch)
     runtime = PlanRuntime(model).install()
     try:
         runtime.set_plan(plan)

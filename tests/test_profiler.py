@@ -11,7 +11,7 @@ import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, UnsupportedModelError, save_tiny, tiny_model
 from bagualu_plugin.costmodel import CostModel, LinearForm, Load, ModelDims, OpId
 from bagualu_plugin.costmodel.fit import BlockSample, TensorSample, fit_block, fit_linear
-from bagualu_plugin.runtime.mitigation import apply_plan
+from bagualu_plugin.runtime.plan_runtime import apply_plan
 from bagualu_plugin.runtime.profiler import measure_micro_batch
 
 

@@ -8,7 +8,7 @@ from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.config import Recipe
 from bagualu_plugin.costmodel import ModelDims
 from bagualu_plugin.runtime import Ledger, SimulatedOutOfMemoryError
-from bagualu_plugin.runtime.mitigation import model_cost
+from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.runtime.provisioner import apply, run_stage
 
 PP, RANK, M, BATCH, SEQ = 4, 0, 6, 2, 32

@@ -22,13 +22,13 @@ from tqdm.auto import tqdm
 from ..adapters import Adapter, OpTracker, shared_arguments
 from ..adapters.experts import RUNNER_ATTR, set_expert_parallel
 from ..adapters.gate import GateMonitor, RoutingSkew
+from ..adapters.units import block_kind, block_units, unit_module
 from ..costmodel.fit import BlockSample, TensorSample, fit_block
 from ..costmodel.graph import INPUT, OpId, standard_spans, standard_units
 from ..costmodel.linear import Load
 from ..costmodel.model import CostModel
 from ..hardware import HardwareSpec, preset
 from .ledger import Ledger
-from .mitigation import block_units, unit_module
 
 
 def _ptr(t: object) -> int | None:
@@ -315,7 +315,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
         single = batch == 1
         load = Load(tokens, routed.get(index, 0), tokens * seq_len, seq_len, batch, float(single), tokens * single)
         blocks[index] = BlockSample(
-            _kind(adapter, index),
+            block_kind(adapter, index)[0],
             load,
             ops,
             tuple(tensors.get(index, ())),
@@ -341,14 +341,6 @@ def _receiving(layer: int, receive):
         return op(experts, *args, **kwargs)
 
     return run
-
-
-def _kind(adapter: Adapter, index: int) -> str:
-    if index == -1:
-        return "embed"
-    if index == adapter.head_index:
-        return "head"
-    return "moe" if adapter.layers[index].moe else "dense"
 
 
 def _params(adapter: Adapter) -> dict[int, tuple[int, int]]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..adapters.costs import model_cost
 from ..adapters.gate import GateMonitor
 from ..config import Recipe
 from ..costmodel import CostModel, OpId
@@ -33,7 +34,7 @@ from ..costmodel.plan import Plan
 from ..planner import BudgetState, CachedPlanner
 from ..stage import Stage
 from .ledger import Ledger
-from .mitigation import PlanRuntime, model_cost
+from .plan_runtime import PlanRuntime
 
 
 EVENTS_KEPT = 4096  # events held in memory; the telemetry file has them all
@@ -44,7 +45,7 @@ class Provisioner:
         """`model` is this pipeline rank's stage; `cost` its cost model (default: the analytic one
         of the model's config)."""
         self.recipe = recipe
-        self.stage = Stage.of(recipe, cost or model_cost(model), split=False)
+        self.stage = Stage.of(recipe, cost or model_cost(model, recipe.hardware), split=False)
         pipe = recipe.pipeline
         capacity = recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes
         self.warmup = min(pipe.pp - pipe.rank, pipe.micro_batches)

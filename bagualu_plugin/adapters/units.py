@@ -1,0 +1,59 @@
+"""Which module of an HF model replays which operators: the recompute units and spans of each
+block (`costmodel.graph.standard_units`, `standard_spans`) mapped onto the model's modules."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..costmodel.graph import ATTENTION_OPS, EXPERT_OPS, standard_spans, standard_units
+from .adapter import Adapter
+
+
+def unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Module | None:
+    """The module whose forward runs `unit` (a recompute unit or a span); None for the expert ops
+    (run by the runner)."""
+    if layer == -1:
+        return adapter.decoder.embed_tokens
+    if layer == adapter.head_index:
+        return adapter.decoder.norm if unit == ("final_norm",) else adapter.model.lm_head
+    part = adapter.layers[layer]
+    if set(unit) == set(adapter.layer_ops(part)):
+        return part.module
+    if unit[0] in ATTENTION_OPS:
+        return part.module.self_attn
+    if unit == EXPERT_OPS:
+        return part.experts
+    single = {
+        "attn_norm": part.module.input_layernorm,
+        "mlp_norm": part.module.post_attention_layernorm,
+        "router": part.router,
+        "dense_mlp": part.module.mlp,
+        "shared_expert": part.shared[0] if part.shared else None,
+    }
+    if len(unit) == 1 and unit[0] in single:
+        return single[unit[0]]
+    if len(unit) == 1 and unit[0].startswith("expert_"):
+        return None
+    return part.module.mlp  # the MoE block: router, experts, shared expert
+
+
+def block_kind(adapter: Adapter, layer: int) -> tuple[str, tuple[str, ...]]:
+    """The block's kind and ops, as the cost model names them."""
+    if layer == -1:
+        return "embed", ("embed",)
+    if layer == adapter.head_index:
+        return "head", ("final_norm", "lm_head", "loss")
+    part = adapter.layers[layer]
+    return "moe" if part.moe else "dense", tuple(adapter.layer_ops(part))
+
+
+def block_units(adapter: Adapter, layer: int) -> tuple[tuple[str, ...], ...]:
+    """The block's recompute units, as the analytic and profiled cost models have them."""
+    kind, ops = block_kind(adapter, layer)
+    return standard_units(kind, ops, shared_alone=len(adapter.family.shared) <= 1)
+
+
+def block_spans(adapter: Adapter, layer: int) -> tuple[tuple[str, ...], ...]:
+    """The block's spans, as the analytic and profiled cost models have them."""
+    return standard_spans(*block_kind(adapter, layer))
+

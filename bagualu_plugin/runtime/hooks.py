@@ -1,0 +1,131 @@
+"""The plan's saved-tensor hooks (paper §V-A): each tensor an op saves for backward is kept,
+offloaded or quantised as the plan says for the op running when it is saved.
+
+One storage has one form, whoever saves it: savers share a host copy or a quantised payload, and
+when one saver keeps the storage on the device every other saver uses that copy, so mitigation
+never leaves two copies (the conflicts of §V-A cost nothing but save nothing; `find_conflicts`
+reports them so a planner can avoid them). Offloaded copies are grouped per op, so that restoring
+an op's first copy in backward prefetches the copies of the op before it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..adapters import shared_arguments
+from ..costmodel import OpId
+from ..costmodel.mitigation import MitigationOptions
+from ..costmodel.plan import Plan
+from .ledger import Ledger, StorageKey, _storage
+from .storage import HostCopy, HostPool, Quantized, SavedView, Stored, whole_storage
+
+
+@dataclass
+class _Offloads:
+    """The host copies one op made in one micro-batch's forward, after those of the op before."""
+
+    op: OpId | None
+    before: _Offloads | None
+    copies: list = field(default_factory=list)  # weak references: backward frees them
+
+    def prefetch_before(self, _restored: Stored) -> None:
+        if self.before is not None:
+            for ref in self.before.copies:
+                copy = ref()
+                if copy is not None:
+                    copy.prefetch()
+
+
+class SavedTensorHooks:
+    """pack/unpack for `torch.autograd.graph.saved_tensors_hooks`: each saved tensor is kept,
+    offloaded or quantised as the plan says for the op running when it is saved."""
+
+    def __init__(
+        self, plan: Plan, ledger: Ledger, current_op: Callable[[], OpId | None], options: MitigationOptions, pool: HostPool
+    ):
+        self.plan, self.ledger, self.current_op, self.options, self.pool = plan, ledger, current_op, options, pool
+        self._last_offload: dict[int | None, _Offloads] = {}  # per micro-batch: its latest op's host copies
+        self._forms: dict[StorageKey, tuple[str, object, weakref.ref]] = {}  # live storages this plan has packed
+
+    def layer_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A decoder layer's forward pre-hook: what every layer receives (RoPE tables, masks) is
+        kept as it is, as the cost model assumes (`TensorSpec.shared`)."""
+        for t in shared_arguments(args, kwargs):
+            found = _storage(t)
+            if found is not None and found[0] not in self._forms:
+                self._remember(t, found[0], "keep", None)
+
+    def pack(self, tensor: torch.Tensor):
+        op = self.current_op()
+        strategy = self.plan.strategy(op) if op is not None else "keep"
+        found = _storage(tensor)
+        if found is None or strategy in ("keep", "recompute") or self.ledger.excludes(tensor):
+            return self._keep(tensor, found)  # recompute: a held region input; parameters stay
+        key, nbytes = found
+        if strategy == "offload" and nbytes < self.options.offload_min_bytes:
+            return self._keep(tensor, found)
+        if strategy == "fp8" and not tensor.is_floating_point():
+            return self._keep(tensor, found)
+        form, stored, _ = self._forms.get(key, (None, None, None))
+        if form == "keep":  # another saver keeps it on the device: share that copy
+            return "keep", self.ledger.pack(tensor)
+        if stored is None:
+            flat = whole_storage(tensor)
+            if strategy == "offload":
+                stored = self._offload(flat, op)
+            else:
+                stored = Quantized(flat, self.ledger, self.options.fp8_block_size, self.options.quant_format)
+            # While the base tensor object lives, so does its storage: no other storage can take
+            # its address. (The saved object itself may be a temporary view autograd made.)
+            self._remember(tensor._base if tensor._base is not None else tensor, key, strategy, stored)
+        view = SavedView(tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset(), tensor._version, weakref.ref(tensor))
+        return "stored", (stored, view)
+
+    def _offload(self, flat: torch.Tensor, op: OpId) -> HostCopy:
+        """A host copy, grouped with the other copies `op` makes in this micro-batch: restoring
+        the first of a group (backward reached that op) prefetches the group of the op before it,
+        so its copies come back while this op's backward runs."""
+        copy = HostCopy(flat, self.ledger, self.pool)
+        mb = self.ledger.micro_batch
+        group = self._last_offload.get(mb)
+        if group is None or group.op != op:
+            group = self._last_offload[mb] = _Offloads(op, before=group)
+        group.copies.append(weakref.ref(copy))
+        copy.on_restore = group.prefetch_before
+        return copy
+
+    def _keep(self, tensor: torch.Tensor, found):
+        packed = self.ledger.pack(tensor)
+        if found is not None:
+            key = found[0]
+            form, stored, _ = self._forms.get(key, (None, None, None))
+            if isinstance(stored, Stored) and stored.on_device is None:
+                stored.drop(whole_storage(tensor))  # a keeping saver makes the earlier copy moot
+            if form != "keep":
+                self._remember(packed[0], key, "keep", None)  # the alias lives as long as the graph keeps it
+        return "keep", packed
+
+    def _remember(self, owner: torch.Tensor, key: StorageKey, form: str, stored: object) -> None:
+        """Remember the storage's form until `owner` dies (while it lives, the storage lives).
+        The entry holds the weakref whose callback forgets it (cheaper than weakref.finalize,
+        and this runs for every new saved storage)."""
+
+        def forget(_ref):
+            if self._forms.get(key) is token:
+                del self._forms[key]
+
+        token = (form, stored, weakref.ref(owner, forget))
+        self._forms[key] = token
+
+    def unpack(self, packed):
+        kind, payload = packed
+        if kind == "keep":
+            return self.ledger.unpack(payload)
+        stored, view = payload
+        return view.of(stored.restore())
+

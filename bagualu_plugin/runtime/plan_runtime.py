@@ -1,0 +1,178 @@
+"""`PlanRuntime` and `apply_plan`: the per-operator mitigation of saved activations installed on a
+model (paper §IV-B, §V-A; DESIGN.md section 4).
+
+- keep: the Ledger's pack (a detached alias, counted on the device);
+- offload / fp8: the saved storage kept in another form (`runtime.storage`) by the plan's
+  saved-tensor hooks (`runtime.hooks`);
+- recompute: the op's recompute unit (`costmodel.graph.standard_units`) runs under a non-reentrant
+  checkpoint: a module's forward, or an expert op through the experts' runner. An op no unit
+  covers alone (attention's three, Qwen2-MoE's gated shared expert) goes through its span
+  (`standard_spans`): the attention module's or MoE block's forward under a checkpoint that takes
+  only the recomputed ops' saves (`runtime.regions`). A region's inputs stay on the device, as
+  the cost model holds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager, nullcontext
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..adapters import Adapter, OpTracker, is_inside_backward
+from ..adapters.experts import RUNNER_ATTR
+from ..adapters.units import block_spans, block_units, unit_module
+from ..costmodel.mitigation import MitigationOptions, cover
+from ..costmodel.plan import Plan
+from .hooks import SavedTensorHooks
+from .ledger import Ledger, _storage
+from .regions import SpanSaves, bagualu_experts, recompute, top_hooks
+from .storage import HostPool
+
+
+class PlanRuntime:
+    """The mitigation mechanisms installed on a model once, following a plan that may change
+    between micro-batches and even within one, at the gate (deferred planning, paper §V-A):
+    every recompute unit's and span's module is wrapped and every experts module gets a runner,
+    each checking the current plan when it runs; saved tensors are handled inside `forward()`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        ledger: Ledger | None = None,
+        options: MitigationOptions = MitigationOptions(),
+        capacity_bytes: int | None = None,
+        static_bytes: int = 0,
+    ):
+        """`ledger`: count into this one; otherwise a new Ledger of the model with the given
+        (simulated) capacity and static bytes."""
+        self.adapter = Adapter(model)
+        self.options = options
+        self.tracker = OpTracker(self.adapter)
+        self.ledger = ledger or Ledger.for_model(
+            self.adapter.model,
+            capacity_bytes=capacity_bytes,
+            static_bytes=static_bytes,
+            current_op=lambda: self.tracker.current,
+        )
+        cuda = any(p.is_cuda for p in self.adapter.model.parameters())
+        self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options, HostPool(pinned=cuda))
+        self._regions: set[tuple[int, tuple[str, ...]]] = set()
+        self._ops = frozenset(self.adapter.ops())  # set_plan runs per micro-batch: list them once
+        self._stack: ExitStack | None = None
+
+    @property
+    def plan(self) -> Plan:
+        return self.hooks.plan
+
+    def set_plan(self, plan: Mapping) -> None:
+        """Follow `plan` from now on (validated first: unknown ops, units that cannot recompute)."""
+        plan = plan if isinstance(plan, Plan) else Plan(plan)
+        unknown = [str(op) for op in plan if op not in self._ops]
+        if unknown:
+            raise KeyError(f"plan names ops this {self.adapter.family.model_type} model does not have: {', '.join(unknown)}")
+        regions = {}
+        for layer in {op.layer for op in plan if plan[op] == "recompute"}:
+            wanted = {op.name for op in plan if op.layer == layer and plan[op] == "recompute"}
+            units, spans = block_units(self.adapter, layer), block_spans(self.adapter, layer)
+            for region in cover(units, spans, wanted, f"layer {layer}"):
+                regions[(layer, region.ops)] = frozenset(region.dropped)
+        self._regions, self.hooks.plan = regions, plan
+
+    def install(self) -> PlanRuntime:
+        a, stack = self.adapter, ExitStack()
+        stack.enter_context(bagualu_experts(a.config))
+        if a.config.use_cache:  # a KV cache would be updated again by recomputation
+            a.config.use_cache = False
+            stack.callback(setattr, a.config, "use_cache", True)
+        self.tracker.install()
+        stack.callback(self.tracker.remove)
+        for layer in [-1, *(part.index for part in a.layers), a.head_index]:
+            for unit in dict.fromkeys((*block_units(a, layer), *block_spans(a, layer))):
+                module = unit_module(a, layer, unit)
+                if module is not None:  # expert ops have no module: the runner checkpoints them
+                    self._wrap(module, layer, unit, stack)
+        for part in a.layers:
+            if part.experts is not None:
+                setattr(part.experts, RUNNER_ATTR, self._runner(part.index))
+                stack.callback(delattr, part.experts, RUNNER_ATTR)
+            stack.callback(part.module.register_forward_pre_hook(self.hooks.layer_inputs, with_kwargs=True).remove)
+        self._stack = stack
+        return self
+
+    def _wrap(self, module: nn.Module, layer: int, unit: tuple[str, ...], stack: ExitStack) -> None:
+        """Route `module`'s forward through a checkpoint while its unit or span is a recompute
+        region. Regions never nest, so a module that a region's replay runs again ran plainly in
+        the forward; it does so again, whatever the plan is by then (in 1F1B the next micro-batch
+        is planned before this one's backward)."""
+        had, previous = "forward" in module.__dict__, module.__dict__.get("forward")
+        forward = module.forward
+        config = self.adapter.config
+
+        def dropped() -> bool:
+            op = self.tracker.current
+            return op is not None and op.layer == layer and op.name in self._regions.get((layer, unit), ())
+
+        def dispatch(*args, **kwargs):
+            region = self._regions.get((layer, unit))
+            if region is None or is_inside_backward():
+                return forward(*args, **kwargs)
+            saves = nullcontext if region == set(unit) else SpanSaves(dropped)
+            with self._holding():
+                return recompute(module, forward, config, args, kwargs, saves)
+
+        module.forward = dispatch
+        stack.callback(lambda: setattr(module, "forward", previous) if had else delattr(module, "forward"))
+
+    def _holding(self):
+        """While the plan's hooks are in force, a region's inputs stay on the device as they are,
+        as the cost model holds them, whatever op runs when the region begins and saves them (a
+        MoE block begins in mlp_norm, a layer in the previous layer's last op, a span in its first
+        op, any of which the plan may offload)."""
+        if top_hooks()[0] != self.hooks.pack:
+            return nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.hooks._keep(t, _storage(t)), self.hooks.unpack)
+
+    def _runner(self, layer: int):
+        def run(name, op, experts, *args, **kwargs):
+            if (layer, (name,)) in self._regions and not is_inside_backward():
+                return checkpoint(op, experts, *args, use_reentrant=False, **kwargs)
+            return op(experts, *args, **kwargs)
+
+        return run
+
+    @contextmanager
+    def forward(self) -> Iterator[Ledger]:
+        """The saved-tensor hooks for the forward passes inside the block."""
+        with torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack):
+            yield self.ledger
+
+    def remove(self) -> None:
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+
+
+@contextmanager
+def apply_plan(
+    model: nn.Module,
+    plan: Mapping,
+    *,
+    ledger: Ledger | None = None,
+    options: MitigationOptions = MitigationOptions(),
+) -> Iterator[Ledger]:
+    """Install `plan` for the forward passes inside the block and yield the Ledger that counts
+    what they save (DESIGN.md section 4). Backward may run inside or after the block. On exit
+    every hook, wrapper and setting is removed, also when the body raises."""
+    runtime = PlanRuntime(model, ledger=ledger, options=options)
+    runtime.set_plan(plan)  # validated before anything is installed
+    runtime.install()
+    try:
+        with runtime.forward() as counted:
+            yield counted
+    finally:
+        runtime.remove()
+

@@ -1,0 +1,116 @@
+"""Recompute regions (paper §IV-B): a recompute unit's or span's forward run under a
+non-reentrant checkpoint. A unit's region drops every save of its ops; a span's region
+(`costmodel.graph.standard_spans`) drops only the recomputed ops' saves and sends every other
+save through the plan's hooks (`SpanSaves`). The region's inputs are held as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from ..adapters.experts import IMPLEMENTATION
+
+
+@contextmanager
+def bagualu_experts(config) -> Iterator[None]:
+    """The "bagualu" experts implementation for the duration of the block: the one a checkpoint
+    recorded with, also when it recomputes after `apply_plan` has restored the model's own."""
+    previous = config._experts_implementation_internal
+    config._experts_implementation_internal = IMPLEMENTATION
+    try:
+        yield
+    finally:
+        config._experts_implementation_internal = previous
+
+
+def same(x):
+    return x
+
+
+def top_hooks() -> tuple[Callable, Callable]:
+    """The saved-tensor hooks in force now (a checkpoint's, the plan's); none: save as autograd does."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) or (same, same)
+
+
+class SpanSaves:
+    """Where the saves inside a span's checkpoint go when it recomputes only some of the span's ops
+    (`costmodel.graph.standard_spans`): the dropped ops' saves to the checkpoint, which replays the
+    span in backward; every other save where it would go without the checkpoint (the plan's
+    hooks, so the Ledger counts it and the plan keeps, offloads or quantises it).
+
+    The forward tells the ops apart by the op scope at each save, and the dropped set is read
+    live, so a gate that escalates the MoE block's experts mid-forward still drops their saves.
+    The replay repeats the forward's decisions in save order: it may run after `apply_plan` has
+    removed the op scopes; there the other ops' saves stay with the replay's own graph, which
+    backward discards. Why not torch's selective checkpointing: it caches op outputs outside the
+    saved-tensor hooks, where the Ledger would not see them, and every output, saved or not."""
+
+    def __init__(self, dropped: Callable[[], bool]):
+        self.dropped = dropped
+        self.outside = top_hooks()  # taken before the checkpoint pushes its own
+        self.decisions: list[bool] | None = None
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        checkpoint_pack, checkpoint_unpack = top_hooks()
+        if self.decisions is None:
+            decisions = self.decisions = []
+            pack_outside, unpack_outside = self.outside
+
+            def decide() -> bool:
+                decisions.append(self.dropped())
+                return decisions[-1]
+
+        else:
+            replay = iter(self.decisions)
+            pack_outside = unpack_outside = same
+
+            def decide() -> bool:
+                return next(replay, True)  # more saves than the forward made: torch's check says so
+
+        def pack(tensor: torch.Tensor):
+            if decide():
+                return True, checkpoint_pack(tensor)
+            return False, pack_outside(tensor)
+
+        def unpack(packed):
+            dropped, payload = packed
+            return checkpoint_unpack(payload) if dropped else unpack_outside(payload)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+
+def recompute(module: nn.Module, forward: Callable, config, args: tuple, kwargs: dict, saves: Callable = nullcontext):
+    """`forward(*args, **kwargs)` of `module` run under a non-reentrant checkpoint, its saves
+    routed by `saves()` (a `SpanSaves`; by default all are the checkpoint's).
+
+    Every tensor the forward receives, keyword arguments and tuples (RoPE tables) included, is
+    handed to the checkpoint positionally: the checkpoint saves its positional tensors for
+    backward, where the Ledger sees them, and would hold the rest unseen. The recomputation in
+    backward runs the experts as the forward did, even after the runtime has been removed.
+    """
+    if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "past_key_value")):
+        raise ValueError(
+            f"{type(module).__name__} is recomputed but received a KV cache, which recomputation would "
+            "update twice; train with use_cache=False"
+        )
+    leaves, spec = tree_flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def run(*tensors):
+        filled = list(leaves)
+        for i, t in zip(where, tensors):
+            filled[i] = t
+        a, kw = tree_unflatten(filled, spec)
+        with bagualu_experts(config), saves():
+            return forward(*a, **kw)
+
+    return checkpoint(run, *(leaves[i] for i in where), use_reentrant=False)
+
