@@ -172,7 +172,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"spikes in {spikes.spike_probability:.1%} of iterations up to {spikes.spike_max_imbalance}x"
     )
     png = plot_timeline(
-        results, args.png, recipe.hardware.capacity_bytes, spikes.normal_max_imbalance, 2 * recipe.pipeline.micro_batches, title
+        results, args.png, results[0].capacity_bytes, spikes.normal_max_imbalance, 2 * recipe.pipeline.micro_batches, title
     )
     print(title)
     print(summary_table(rows))

@@ -36,7 +36,7 @@ def main() -> None:
     with tqdm(total=args.steps * len(POLICIES), desc="policy iterations", unit="it") as bar:
         results = run_demo(recipe, args.steps, POLICIES, progress=bar.update)
     rows = {r["policy"]: r for r in summary(results)}
-    spikes = {e["iteration"] for e in results[0].timeline if e["spike"] > recipe.spikes.normal_max_imbalance}
+    spikes = {e.iteration for e in results[0].timeline if e.spike > recipe.spikes.normal_max_imbalance}
     print(f"\n{args.steps} iterations, {len(spikes)} with a routing spike above {recipe.spikes.normal_max_imbalance}x\n")
     print(summary_table(list(rows.values())))
 
@@ -60,7 +60,7 @@ def main() -> None:
             json.dump({"steps": args.steps, "spike_iterations": sorted(spikes), "policies": list(rows.values())}, f, indent=1)
     if args.png:
         steps = 2 * recipe.pipeline.micro_batches
-        plot_timeline(results, args.png, recipe.hardware.capacity_bytes, recipe.spikes.normal_max_imbalance, steps,
+        plot_timeline(results, args.png, results[0].capacity_bytes, recipe.spikes.normal_max_imbalance, steps,
                       f"spike_cpu: {args.steps} iterations, spikes in {PAPER_SPIKE_PROBABILITY:.1%} of them")
 
 
