@@ -2,7 +2,7 @@
 §VI-C; issue 5's targets).
 
 The built-in `demo` recipe (a tiny GLM-4-MoE as pipeline rank 0 of 4 and emulated EP rank 0 of 4,
-62 MB of simulated device memory), but with spikes in 2.9% of iterations, up to 2.6x, as the
+58 MB of simulated device memory), but with spikes in 2.9% of iterations, up to 2.6x, as the
 paper measured, over more iterations than `bagualu demo` runs. All policies run the same
 iterations, taking turns iteration by iteration, so the ratios of one run are comparable on a
 noisy machine. Prints the comparison table and each target with its measured value.

@@ -92,7 +92,7 @@ def test_demo_fails_before_training_when_capacity_cannot_hold_m0(tmp_path):
     from bagualu_plugin.config import builtin_recipes
 
     recipe = tmp_path / "small.yaml"
-    recipe.write_text(builtin_recipes()["demo"].read_text().replace("capacity_bytes: 62MB", "capacity_bytes: 2MB"))
+    recipe.write_text(builtin_recipes()["demo"].read_text().replace("capacity_bytes: 58MB", "capacity_bytes: 2MB"))
     done = _run("demo", str(recipe), "--steps", "1", "--png", str(tmp_path / "t.png"))
     assert done.returncode == 2
     assert "cannot hold static memory 0 plus 4 in-flight micro-batches" in done.stderr and "M0 = " in done.stderr

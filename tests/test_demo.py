@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bagualu_plugin import load_recipe
-from bagualu_plugin.demo import PolicyRun, demo_cost, demo_stage, run_demo, run_policy
+from bagualu_plugin.demo import PolicyRun, demo_cost, demo_stage, pretrained, run_demo, run_policy
 from bagualu_plugin.spikes import imbalance_schedule
 
 
@@ -47,7 +47,8 @@ def test_every_policy_trains_its_own_identical_copy():
     schedule = imbalance_schedule(recipe.spikes, 2, recipe.pipeline.micro_batches, stage.cost.moe_layers)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, recipe.model.vocab_size, (2, recipe.batch.seq_len), generator=g) for _ in range(8)]
-    runs = [PolicyRun(p, stage, schedule, batches) for p in ("adaptive", "none")]
+    start = pretrained(stage, batches)
+    runs = [PolicyRun(p, stage, schedule, batches, start) for p in ("adaptive", "none")]
     adaptive, none = ([p.detach().clone() for p in run.model.parameters()] for run in runs)
     assert all(torch.equal(a, b) for a, b in zip(adaptive, none))
     try:
