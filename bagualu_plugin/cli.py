@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .config import RecipeError, load_recipe
-from .costmodel import MITIGATIONS, Curve, OpId
+from .costmodel import MITIGATIONS, Curve
 from .report import plot_curves, plot_timeline, table
 from .stage import Stage
 from .units import fmt_bytes, fmt_seconds
@@ -187,7 +187,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _curve(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     stage = Stage.of(recipe)
-    pipe, par = recipe.pipeline, recipe.parallel
+    pipe = recipe.pipeline
     imbalance = [1.0] * pipe.micro_batches
     for mb, factor in args.spike:
         if not 0 <= mb < pipe.micro_batches:

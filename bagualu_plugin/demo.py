@@ -42,12 +42,12 @@ from .costmodel import CostModel, ModelDims
 from .costmodel.pipeline import Step
 from .costmodel.plan import Plan
 from .planner import plan_micro_batch
+from .report import table
 from .runtime.driver import run_iteration
 from .runtime.ledger import SimulatedOutOfMemoryError
 from .runtime.plan_runtime import PlanRuntime
 from .runtime.profiler import profile
 from .runtime.provisioner import Provisioner
-from .report import table
 from .spikes import imbalance_schedule, skew_fraction
 from .stage import Stage
 from .units import fmt_bytes

@@ -12,7 +12,6 @@ from bagualu_plugin.adapters.experts import set_expert_parallel
 from bagualu_plugin.adapters.gate import RoutingSkew
 from bagualu_plugin.config import Recipe
 from bagualu_plugin.costmodel import ModelDims
-from bagualu_plugin.costmodel.pipeline import one_f_one_b
 from bagualu_plugin.planner import GateDecision, at_gate
 from bagualu_plugin.runtime import Ledger, SimulatedOutOfMemoryError
 from bagualu_plugin.runtime.driver import run_iteration

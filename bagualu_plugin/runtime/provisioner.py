@@ -18,7 +18,7 @@ import json
 import time
 from collections import deque
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -36,7 +36,6 @@ from ..planner import BudgetState, CachedPlanner, at_gate
 from ..stage import Stage
 from .ledger import Ledger
 from .plan_runtime import PlanRuntime
-
 
 EVENTS_KEPT = 4096  # events held in memory; the telemetry file has them all
 
