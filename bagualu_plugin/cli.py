@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .config import RecipeError, load_recipe
-from .costmodel import MITIGATIONS, Curve, OpId
+from .costmodel import MITIGATIONS, Curve
 from .report import plot_curves, plot_timeline, table
 from .stage import Stage
 from .units import fmt_bytes, fmt_seconds
@@ -172,7 +172,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"spikes in {spikes.spike_probability:.1%} of iterations up to {spikes.spike_max_imbalance}x"
     )
     png = plot_timeline(
-        results, args.png, recipe.hardware.capacity_bytes, spikes.normal_max_imbalance, 2 * recipe.pipeline.micro_batches, title
+        results, args.png, results[0].capacity_bytes, spikes.normal_max_imbalance, 2 * recipe.pipeline.micro_batches, title
     )
     print(title)
     print(summary_table(rows))
@@ -187,7 +187,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _curve(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     stage = Stage.of(recipe)
-    pipe, par = recipe.pipeline, recipe.parallel
+    pipe = recipe.pipeline
     imbalance = [1.0] * pipe.micro_batches
     for mb, factor in args.spike:
         if not 0 <= mb < pipe.micro_batches:

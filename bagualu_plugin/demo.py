@@ -15,6 +15,12 @@ A static policy that runs out of memory is handled as the paper does: the OOM is
 restart costs `spikes.restart_iterations` times its mean iteration time, and it continues with
 full recompute. Policies take turns iteration by iteration, so a slow spell of a shared machine
 costs them all alike and the throughput ratios of one run can be trusted.
+
+Every iteration runs through the one 1F1B driver (`runtime.driver.run_iteration`) and ends with
+an AdamW step, the same for every policy, so the router trains and routing evolves as in training.
+The step is not timed: it is the same work under every policy, and the throughput compares what
+the policies change. Every policy starts from the same weights, a few steps into training
+(`pretrained`).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import ctypes
 import gc
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,18 +39,36 @@ from .adapters.experts import set_expert_parallel
 from .adapters.gate import RoutingSkew
 from .config import Recipe
 from .costmodel import CostModel, ModelDims
-from .costmodel.pipeline import one_f_one_b
+from .costmodel.pipeline import Step
 from .costmodel.plan import Plan
 from .planner import plan_micro_batch
+from .report import table
+from .runtime.driver import run_iteration
 from .runtime.ledger import SimulatedOutOfMemoryError
 from .runtime.plan_runtime import PlanRuntime
 from .runtime.profiler import profile
 from .runtime.provisioner import Provisioner
-from .report import table
 from .spikes import imbalance_schedule, skew_fraction
+from .stage import Stage
 from .units import fmt_bytes
 
 POLICIES = ("adaptive", "none", "full_recompute", "static_average", "static_worst")
+LEARNING_RATE = 1e-3  # AdamW's
+PRETRAIN_STEPS = 5
+
+
+@dataclass
+class TimelineEntry:
+    """One forward or backward of a policy's iteration; bytes include the static bytes."""
+
+    iteration: int
+    micro_batch: int
+    kind: str  # "F" or "B"
+    spike: float  # the micro-batch's largest imbalance
+    live: int = 0  # after the step
+    peak: int = 0  # the step's peak; for the step that ran out of memory, what it asked for
+    ceiling: int | None = None  # adaptive forwards: the bytes before it plus its budget (Algorithm 1)
+    oom: bool = False
 
 
 @dataclass
@@ -58,10 +82,7 @@ class PolicyResult:
     capacity_bytes: int
     forwards: int = 0
     planner_s: float = 0.0
-    # one entry per forward or backward: iteration, micro_batch, kind, live and peak device bytes,
-    # spike (the micro-batch's largest imbalance), ceiling (adaptive forwards: the bytes before it
-    # plus its budget), oom
-    timeline: list[dict] = field(default_factory=list)
+    timeline: list[TimelineEntry] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -99,108 +120,123 @@ def demo_cost(recipe: Recipe, seed: int = 0) -> CostModel:
     return profile(model, [tokens // 4, tokens // 2, tokens], ep_size=par.ep, ep_rank=par.ep_rank, repeats=1)
 
 
-def _static_plan(policy: str, recipe: Recipe, cm: CostModel, warmup: int) -> Plan:
+def demo_stage(recipe: Recipe, cost: CostModel) -> Stage:
+    """The pipeline stage the demo model is: the whole model, its cost model profiled."""
+    if recipe.budget.non_activation_bytes == "auto":
+        raise ValueError("the demo needs budget.non_activation_bytes as a number (its model's weights are not on the simulated device)")
+    return Stage.of(recipe, cost, split=False)
+
+
+def pretrained(stage: Stage, batches: Sequence[torch.Tensor], seed: int = 0) -> dict[str, torch.Tensor]:
+    """The weights every policy starts from: the seeded model after `PRETRAIN_STEPS` steps of
+    plain training on the batches. The random-init router sends this EP rank 1.2-1.5x its
+    balanced share of routed pairs, as much as a spike, and the first steps of training take that
+    away (measured: the unmitigated peak drops from 57.6 to 50.6-53.5 MiB); starting past them,
+    the memory the policies meet follows the spike schedule, as in the paper."""
+    model = demo_model(stage.recipe.model, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    for _ in range(PRETRAIN_STEPS):
+        run_iteration(model, batches, stage.schedule)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return model.state_dict()
+
+
+def _static_plan(policy: str, stage: Stage) -> Plan:
     if policy == "none":
         return Plan()
     if policy == "full_recompute":
-        return Plan(cm.full_recompute())
-    share = (recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes - _static_bytes(recipe)) // warmup
-    spikes, tokens = recipe.spikes, recipe.batch.tokens
+        return Plan(stage.cost.full_recompute())
+    recipe, cm = stage.recipe, stage.cost
+    share = (stage.capacity - stage.static_bytes) // stage.warmup
+    spikes, tokens = recipe.spikes, stage.tokens
     imbalance = spikes.normal_max_imbalance if policy == "static_average" else spikes.spike_max_imbalance
     routed = [tokens * cm.pairs_per_token * imbalance] * len(cm.moe_layers)
     return plan_micro_batch(cm, share, tokens, routed, recipe.batch.seq_len, recipe.strategies.allowed).plan
 
 
-def _static_bytes(recipe: Recipe) -> int:
-    value = recipe.budget.non_activation_bytes
-    if value == "auto":
-        raise ValueError("the demo needs budget.non_activation_bytes as a number (its model's weights are not on the simulated device)")
-    return value
-
-
 class PolicyRun:
-    """One policy's model, runtime and counters; `iteration(it)` runs one training iteration."""
+    """One policy's model, optimizer, runtime and counters; `iteration(it)` runs one training
+    iteration. `start`: the weights its model starts from, the same for every policy."""
 
-    def __init__(self, policy: str, recipe: Recipe, cost: CostModel, schedule: list, batches: list, seed: int = 0):
+    def __init__(self, policy: str, stage: Stage, schedule: list, batches: list, start: dict[str, torch.Tensor]):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        self.recipe, self.cost, self.schedule, self.batches = recipe, cost, schedule, batches
-        self.model = demo_model(recipe.model, seed)
+        self.stage, self.schedule, self.batches = stage, schedule, batches
+        self.model = demo_model(stage.recipe.model)
+        self.model.load_state_dict(start)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
         self.adapter = Adapter(self.model)
-        set_expert_parallel(self.adapter, recipe.parallel.ep, recipe.parallel.ep_rank)
-        pipe = recipe.pipeline
-        self.warmup = min(pipe.pp - pipe.rank, pipe.micro_batches)
+        par = stage.recipe.parallel
+        set_expert_parallel(self.adapter, par.ep, par.ep_rank)
         self.current, self.runner = policy, None
-        self.static = _static_bytes(recipe)
-        self.result = PolicyResult(policy, 0, 0, 0.0, 0, 0, recipe.hardware.capacity_bytes)
+        self.result = PolicyResult(policy, 0, 0, 0.0, 0, 0, stage.capacity)
         self._times: list[float] = []
         self._install()  # a capacity that cannot hold M0 fails here, before any training
 
     def _install(self) -> None:
         if self.current == "adaptive":
-            self.runner = Provisioner(self.model, self.recipe, self.cost)
+            self.runner = Provisioner(self.model, self.stage.recipe, self.stage.cost)
             return
-        capacity = self.recipe.hardware.capacity_bytes - self.recipe.budget.reserve_bytes
-        self.runner = PlanRuntime(self.model, capacity_bytes=capacity, static_bytes=self.static).install()
-        self.runner.set_plan(_static_plan(self.current, self.recipe, self.cost, self.warmup))
+        self.runner = PlanRuntime(self.model, capacity_bytes=self.stage.capacity, static_bytes=self.stage.static_bytes).install()
+        self.runner.set_plan(_static_plan(self.current, self.stage))
 
     def iteration(self, it: int) -> None:
-        """One iteration of pipeline rank `pipeline.rank`; an OOM restarts with full recompute."""
+        """One iteration of pipeline rank `pipeline.rank`, then the optimizer step; an OOM drops
+        the iteration's gradients and restarts with full recompute."""
         if self.runner is None:  # installed once; again only after a restart
             self._install()
-        pipe, par, batch, result = self.recipe.pipeline, self.recipe.parallel, self.recipe.batch, self.result
-        ledger, adaptive = self.runner.ledger, self.current == "adaptive"
-        start, losses = time.perf_counter(), {}
+        stage, result = self.stage, self.result
+        adaptive, ledger, static = self.current == "adaptive", self.runner.ledger, stage.static_bytes
+        par = stage.recipe.parallel
+        entries: list[TimelineEntry] = []
+
+        @contextmanager
+        def around(step: Step):
+            mb, imbalance = step.micro_batch, self.schedule[it][step.micro_batch]
+            ledger.reset_peak()
+            entry = TimelineEntry(it, mb, step.kind, max(imbalance.values()))
+            entries.append(entry)
+            before = static + ledger.live_device_bytes
+            # the micro-batch's routing skew stays for its backward: a recompute routes as the forward did
+            with ExitStack() as stack:
+                for layer, x in imbalance.items():
+                    fraction = skew_fraction(min(x, par.ep), par.ep)
+                    stack.enter_context(RoutingSkew(self.adapter, fraction, par.ep, par.ep_rank, layers=[layer]))
+                if step.kind == "F" and not adaptive:
+                    ledger.micro_batch = mb
+                    stack.enter_context(self.runner.forward())
+                yield
+            if step.kind == "F" and adaptive:
+                event = self.runner.events[-1]  # what Algorithm 1 allowed, with what later warmup
+                given = sum(d.overrun for d in event.deferred)  # micro-batches gave up
+                entry.ceiling = before + event.budget + given
+            entry.live, entry.peak = static + ledger.live_device_bytes, static + ledger.peak_device_bytes
+            result.peak_device_bytes = max(result.peak_device_bytes, entry.peak)
+
+        start = time.perf_counter()
         try:
-            for step in one_f_one_b(pipe.pp, pipe.rank, pipe.micro_batches):
-                mb, imbalance = step.micro_batch, self.schedule[it][step.micro_batch]
-                ledger.reset_peak()
-                entry = {"iteration": it, "micro_batch": mb, "kind": step.kind, "spike": max(imbalance.values())}
-                # the micro-batch's routing skew stays for its backward: a recompute routes as the forward did
-                with ExitStack() as stack:
-                    for layer, x in imbalance.items():
-                        fraction = skew_fraction(min(x, par.ep), par.ep)
-                        stack.enter_context(RoutingSkew(self.adapter, fraction, par.ep, par.ep_rank, layers=[layer]))
-                    if step.kind == "B":
-                        losses.pop(mb).backward()
-                        if adaptive:
-                            self.runner.end_backward(mb)
-                    elif adaptive:
-                        before = self.static + ledger.live_device_bytes
-                        self.runner.begin_forward(mb, batch.tokens, batch.seq_len, phase=step.phase, in_flight=len(losses))
-                        try:
-                            losses[mb] = self._loss(mb)
-                        finally:
-                            self.runner.end_forward(mb)
-                        event = self.runner.events[-1]  # what Algorithm 1 allowed, with what later warmup
-                        given = sum(d["overrun"] for d in event["deferred"])  # micro-batches gave up
-                        entry["ceiling"] = before + event["budget"] + given
-                    else:
-                        ledger.micro_batch = mb
-                        with self.runner.forward():
-                            losses[mb] = self._loss(mb)
-                entry.update(live=self.static + ledger.live_device_bytes, peak=self.static + ledger.peak_device_bytes)
-                result.timeline.append(entry)
-                result.peak_device_bytes = max(result.peak_device_bytes, entry["peak"])
-            elapsed = time.perf_counter() - start
-            self._times.append(elapsed)
-            result.seconds += elapsed
-            result.steps_completed += 1
-            result.tokens += batch.tokens * pipe.micro_batches
+            run_iteration(self.model, self.batches, stage.schedule, self.runner if adaptive else None, around=around)
         except SimulatedOutOfMemoryError as oom:
-            losses.clear()
+            self.optimizer.zero_grad(set_to_none=True)  # a restart resumes from the last step
             result.ooms += 1
             # the step that ran out (a forward: only forwards save); its peak is what it asked for
-            entry.update(oom=True, live=self.static + oom.live_bytes, peak=self.static + oom.live_bytes + oom.requested_bytes)
-            result.timeline.append(entry)
+            entry = entries[-1]
+            entry.oom, entry.live, entry.peak = True, static + oom.live_bytes, static + oom.live_bytes + oom.requested_bytes
+            result.timeline += entries
             mean = sum(self._times) / len(self._times) if self._times else time.perf_counter() - start
-            result.seconds += self.recipe.spikes.restart_iterations * mean  # a cold restart
+            result.seconds += stage.recipe.spikes.restart_iterations * mean  # a cold restart
             self.close()
             self.current = "full_recompute"  # then the conservative policy
-
-    def _loss(self, mb: int) -> torch.Tensor:
-        ids = self.batches[mb]
-        return self.model(input_ids=ids, labels=ids).loss
+            return
+        elapsed = time.perf_counter() - start
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        result.timeline += entries
+        self._times.append(elapsed)
+        result.seconds += elapsed
+        result.steps_completed += 1
+        result.tokens += stage.tokens * len(self.batches)
 
     def close(self) -> PolicyResult:
         if isinstance(self.runner, Provisioner):
@@ -242,6 +278,7 @@ def run_demo(
         raise ValueError(f"policies must be a non-empty subset of {POLICIES}, got {list(policies)}")
     _caching_host_allocator()
     cost = demo_cost(recipe, seed)
+    stage = demo_stage(recipe, cost)
     schedule = imbalance_schedule(recipe.spikes, steps, recipe.pipeline.micro_batches, cost.moe_layers)
     generator = torch.Generator().manual_seed(seed)
     batch = recipe.batch
@@ -249,7 +286,8 @@ def run_demo(
         torch.randint(0, recipe.model.vocab_size, (batch.micro_batch_size, batch.seq_len), generator=generator)
         for _ in range(recipe.pipeline.micro_batches)
     ]
-    runs = [PolicyRun(p, recipe, cost, schedule, batches, seed) for p in policies]
+    start = pretrained(stage, batches, seed)
+    runs = [PolicyRun(p, stage, schedule, batches, start) for p in policies]
     # What exists now (models, cost model, torch and HF modules) lives to the end: freeze it out
     # of the collector, as long training loops do, or each full collection walks it all (0.2 s
     # here, at random iterations of random policies)

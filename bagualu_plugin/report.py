@@ -31,37 +31,58 @@ def plot_curves(
     static_bytes: float,
     title: str,
 ) -> Path:
-    """Draw one or more iteration curves of the same schedule; phases are shaded from the first."""
-    fig, ax = _axes((11, 5.5))
-    first = curves[0][1]
-    for phase, colour in _PHASE_COLOURS.items():
-        idx = [i for i, s in enumerate(first.steps) if s.phase == phase]
-        if idx:
-            start, end = first.times[idx[0]] * 1e3, first.times[idx[-1] + 1] * 1e3
-            ax.axvspan(start, end, color=colour, zorder=0)
-            ax.text((start + end) / 2, 0.02, phase, transform=ax.get_xaxis_transform(), ha="center", fontsize=9)
+    """Draw one or more iteration curves of the same schedule. A spike lengthens its curve, so each
+    curve's phases get their own row of bands under the plot (and dotted boundaries in its colour);
+    the peak labels are stacked above every curve, one row each, highest peak first, so they never
+    collide whatever the peaks' positions."""
+    fig, (ax, rows) = _axes((11, 6.5), nrows=2, sharex=True, height_ratios=[8, 0.6 + 0.5 * len(curves)])
+    colours = dict(zip((label for label, _ in curves), ("#1f4e79", "#d35400", "#7d3c98", "#117a65")))
     ax.axhspan(0, static_bytes / _GIB, color="#cccccc", zorder=1, label="non-activation (weights, grads, optimizer)")
     ax.axhline(capacity / _GIB, color="#c0392b", ls="--", lw=1.5, label=f"capacity {capacity / _GIB:.1f} GiB")
-    for n, ((label, curve), colour) in enumerate(zip(curves, ("#1f4e79", "#d35400", "#7d3c98", "#117a65"))):
-        times = [t * 1e3 for t in curve.times]
+    end = max(c.times[-1] for _, c in curves) * 1e3
+    for n, (label, curve) in enumerate(curves):
+        colour, times = colours[label], [t * 1e3 for t in curve.times]
         ax.plot(times, [b / _GIB for b in curve.bytes], color=colour, lw=1.3, label=label, zorder=3)
-        over = curve.peak_bytes > capacity
         ax.plot(curve.peak_time * 1e3, curve.peak_bytes / _GIB, "o", color=colour, zorder=4)
-        ax.annotate(
-            f"peak {curve.peak_bytes / _GIB:.2f} GiB{' (OOM)' if over else ''}\nend of F{curve.peak_step.micro_batch}",
-            (curve.peak_time * 1e3, curve.peak_bytes / _GIB),
-            textcoords="offset points",
-            xytext=(10, 8 - 34 * (n % 2)),  # alternate above and below so labels do not overlap
-            fontsize=8,
-            color=colour,
-        )
+        for phase, shade in _PHASE_COLOURS.items():
+            idx = [i for i, s in enumerate(curve.steps) if s.phase == phase]
+            if not idx:
+                continue
+            start, stop = times[idx[0]], times[idx[-1] + 1]
+            rows.broken_barh([(start, stop - start)], (n - 0.4, 0.8), facecolors=shade, edgecolors=colour, lw=0.8)
+            if stop - start > 0.05 * end:  # room for the name
+                rows.text((start + stop) / 2, n, phase, ha="center", va="center", fontsize=8)
+            if phase != "warmup":
+                ax.axvline(start, color=colour, ls=":", lw=0.9, zorder=2)
+    # labels in the top band of the axes, which the y range keeps free of curves
+    labelled = sorted(curves, key=lambda c: -c[1].peak_bytes)
+    band = 0.07  # axes height per label row
     top = max(capacity, *(c.peak_bytes for _, c in curves)) / _GIB
-    ax.set_ylim(0, top * 1.12)
-    ax.set_xlim(0, max(c.times[-1] for _, c in curves) * 1e3)
-    ax.set_xlabel("time on this stage (ms of compute, pipeline bubbles not drawn)")
+    ax.set_ylim(0, top / (0.95 - band * len(curves)))
+    for n, (label, curve) in enumerate(labelled):
+        x, right = curve.peak_time * 1e3, curve.peak_time * 1e3 > 0.7 * end
+        ax.annotate(
+            f"{label}: peak {curve.peak_bytes / _GIB:.2f} GiB at the end of F{curve.peak_step.micro_batch}"
+            + (" (OUT OF MEMORY)" if curve.peak_bytes > capacity else ""),
+            (x, curve.peak_bytes / _GIB),
+            xytext=(x, 0.97 - band * n),  # a vertical leader from the label's corner down to the peak
+            textcoords=("data", "axes fraction"),
+            ha="right" if right else "left",
+            va="top",
+            fontsize=8,
+            color=colours[label],
+            arrowprops={"arrowstyle": "-", "color": colours[label], "lw": 0.8, "relpos": (1 if right else 0, 0)},
+        )
+    rows.set_yticks(range(len(curves)), [label for label, _ in curves], fontsize=8)
+    for tick, (label, _) in zip(rows.get_yticklabels(), curves):
+        tick.set_color(colours[label])
+    rows.set_ylim(len(curves) - 0.5, -0.5)
+    rows.set_xlim(0, end)
+    rows.set_xlabel("time on this stage (ms of compute, pipeline bubbles not drawn)")
     ax.set_ylabel("device memory (GiB)")
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="upper right", fontsize=8)
+    # every curve stays above the non-activation bytes, and mid-iteration above its steady level
+    ax.legend(loc="lower center", fontsize=8, ncol=2)
     return _save(fig, path)
 
 
@@ -78,13 +99,13 @@ def plot_timeline(
         xs, ys, ceilings = [], [], []
         for x, entry in _positions(result.timeline, steps):
             xs.append(x)
-            ys.append(entry["peak"] / _MIB)
-            if entry["spike"] > normal_max and entry["kind"] == "F":
+            ys.append(entry.peak / _MIB)
+            if entry.spike > normal_max and entry.kind == "F":
                 spiked.add(round(x, 6))
-            if "ceiling" in entry:
-                ceilings.append((x, entry["ceiling"] / _MIB))
-            if entry.get("oom"):
-                ooms.append((x, entry["peak"] / _MIB, colour))
+            if entry.ceiling is not None:
+                ceilings.append((x, entry.ceiling / _MIB))
+            if entry.oom:
+                ooms.append((x, entry.peak / _MIB, colour))
                 xs.append(x)
                 ys.append(float("nan"))  # the restart: no line to the next iteration
         ax.plot(xs, ys, color=colour, lw=1.0, label=result.policy, zorder=3)
@@ -103,22 +124,22 @@ def plot_timeline(
 
 
 
-def _positions(timeline: Sequence[dict], steps: int):
+def _positions(timeline: Sequence, steps: int):
     """(x, entry): x = iteration + the step's place among the `steps` of its iteration."""
     place: dict[int, int] = {}
     for entry in timeline:
-        i = place[entry["iteration"]] = place.get(entry["iteration"], 0) + 1
-        yield entry["iteration"] + i / steps, entry
+        i = place[entry.iteration] = place.get(entry.iteration, 0) + 1
+        yield entry.iteration + i / steps, entry
 
 
-def _axes(size: tuple[float, float]):
+def _axes(size: tuple[float, float], nrows: int = 1, sharex: bool = False, height_ratios=None):
     """A figure and its axes, drawn off screen (no display on training machines)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=size)
+    return plt.subplots(nrows, figsize=size, sharex=sharex, height_ratios=height_ratios)
 
 
 def _save(fig, path: str | Path) -> Path:

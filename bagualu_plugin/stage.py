@@ -1,5 +1,7 @@
-"""The pipeline stage a recipe describes, in numbers: its cost model, the non-activation bytes, the
-minimum per-micro-batch budget M0, and the micro-batch costs of an iteration (paper §IV-A, §V-A)."""
+"""The pipeline stage a recipe describes, in numbers: its cost model, the usable capacity, the
+non-activation bytes, the minimum per-micro-batch budget M0, the warmup depth, the 1F1B schedule
+and the micro-batch costs of an iteration (paper §IV-A, §V-A). Every caller reads these numbers
+here, so the Provisioner, the demo's static policies and `bagualu curve` judge against the same."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 
 from .config import Recipe
 from .costmodel import CostModel, Curve, MicroBatchCost, MitigationOptions, OpId, iteration_curve
+from .costmodel.pipeline import Step, one_f_one_b
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,22 @@ class Stage:
 
     @property
     def capacity(self) -> int:
-        return self.recipe.hardware.capacity_bytes
+        """M_max: the device bytes static memory and activations may use together, i.e. the
+        hardware's capacity less `budget.reserve_bytes` (allocator, communication buffers)."""
+        return self.recipe.hardware.capacity_bytes - self.recipe.budget.reserve_bytes
+
+    @property
+    def warmup(self) -> int:
+        """B_w: micro-batches in flight at the stage's peak. 1F1B's first steady forward also runs
+        before any backward, so rank r of P stacks min(P - r, m), one more than its warmup forwards."""
+        pipe = self.recipe.pipeline
+        return min(pipe.pp - pipe.rank, pipe.micro_batches)
+
+    @property
+    def schedule(self) -> list[Step]:
+        """The forwards and backwards of one iteration on this rank, in nanotron's 1F1B order."""
+        pipe = self.recipe.pipeline
+        return one_f_one_b(pipe.pp, pipe.rank, pipe.micro_batches)
 
     @property
     def options(self) -> MitigationOptions:

@@ -2,7 +2,7 @@
 §VI-C; issue 5's targets).
 
 The built-in `demo` recipe (a tiny GLM-4-MoE as pipeline rank 0 of 4 and emulated EP rank 0 of 4,
-62 MB of simulated device memory), but with spikes in 2.9% of iterations, up to 2.6x, as the
+58 MB of simulated device memory), but with spikes in 2.9% of iterations, up to 2.6x, as the
 paper measured, over more iterations than `bagualu demo` runs. All policies run the same
 iterations, taking turns iteration by iteration, so the ratios of one run are comparable on a
 noisy machine. Prints the comparison table and each target with its measured value.
@@ -36,7 +36,7 @@ def main() -> None:
     with tqdm(total=args.steps * len(POLICIES), desc="policy iterations", unit="it") as bar:
         results = run_demo(recipe, args.steps, POLICIES, progress=bar.update)
     rows = {r["policy"]: r for r in summary(results)}
-    spikes = {e["iteration"] for e in results[0].timeline if e["spike"] > recipe.spikes.normal_max_imbalance}
+    spikes = {e.iteration for e in results[0].timeline if e.spike > recipe.spikes.normal_max_imbalance}
     print(f"\n{args.steps} iterations, {len(spikes)} with a routing spike above {recipe.spikes.normal_max_imbalance}x\n")
     print(summary_table(list(rows.values())))
 
@@ -60,7 +60,7 @@ def main() -> None:
             json.dump({"steps": args.steps, "spike_iterations": sorted(spikes), "policies": list(rows.values())}, f, indent=1)
     if args.png:
         steps = 2 * recipe.pipeline.micro_batches
-        plot_timeline(results, args.png, recipe.hardware.capacity_bytes, recipe.spikes.normal_max_imbalance, steps,
+        plot_timeline(results, args.png, results[0].capacity_bytes, recipe.spikes.normal_max_imbalance, steps,
                       f"spike_cpu: {args.steps} iterations, spikes in {PAPER_SPIKE_PROBABILITY:.1%} of them")
 
 

@@ -92,8 +92,22 @@ def test_demo_fails_before_training_when_capacity_cannot_hold_m0(tmp_path):
     from bagualu_plugin.config import builtin_recipes
 
     recipe = tmp_path / "small.yaml"
-    recipe.write_text(builtin_recipes()["demo"].read_text().replace("capacity_bytes: 62MB", "capacity_bytes: 2MB"))
+    recipe.write_text(builtin_recipes()["demo"].read_text().replace("capacity_bytes: 58MB", "capacity_bytes: 2MB"))
     done = _run("demo", str(recipe), "--steps", "1", "--png", str(tmp_path / "t.png"))
     assert done.returncode == 2
     assert "cannot hold static memory 0 plus 4 in-flight micro-batches" in done.stderr and "M0 = " in done.stderr
     assert not (tmp_path / "t.png").exists()
+
+
+def test_curve_judges_headroom_against_the_usable_capacity(tmp_path, capsys):
+    """Capacity less budget.reserve_bytes: 64 GiB less 6 GiB no longer holds the 58.57 GiB peak."""
+    from bagualu_plugin.config import builtin_recipes
+
+    recipe = tmp_path / "reserved.yaml"
+    recipe.write_text(builtin_recipes()["glm-423b-a30b"].read_text() + "\nbudget: {reserve_bytes: 6GiB}\n")
+    assert main(["curve", str(recipe), "--png", str(tmp_path / "c.png"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["capacity_bytes"] == 58 * 2**30
+    assert doc["curves"][0]["peak_bytes"] > 58 * 2**30 and not doc["curves"][0]["fits"]
+    assert main(["curve", str(recipe), "--png", str(tmp_path / "c.png")]) == 0
+    assert "balanced routing: 7 warmup F" in (out := capsys.readouterr().out) and "OUT OF MEMORY by 584.65 MiB" in out

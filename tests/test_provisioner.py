@@ -1,15 +1,23 @@
-"""The Provisioner on a real (tiny) model: a 1F1B stage iteration under a simulated capacity."""
+"""The Provisioner on a real (tiny) model: a 1F1B stage iteration under a simulated capacity; the
+stage numbers it budgets with; the gate-time decision, worked by hand."""
 
 import json
+
 import pytest
 import torch
 
-from bagualu_plugin.adapters import tiny_model
+from bagualu_plugin.adapters import Adapter, tiny_model
+from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.adapters.experts import set_expert_parallel
+from bagualu_plugin.adapters.gate import RoutingSkew
 from bagualu_plugin.config import Recipe
 from bagualu_plugin.costmodel import ModelDims
+from bagualu_plugin.planner import GateDecision, at_gate
 from bagualu_plugin.runtime import Ledger, SimulatedOutOfMemoryError
-from bagualu_plugin.adapters.costs import model_cost
-from bagualu_plugin.runtime.provisioner import apply, run_stage
+from bagualu_plugin.runtime.driver import run_iteration
+from bagualu_plugin.runtime.profiler import profile
+from bagualu_plugin.runtime.provisioner import apply
+from bagualu_plugin.stage import Stage
 
 PP, RANK, M, BATCH, SEQ = 4, 0, 6, 2, 32
 
@@ -41,21 +49,25 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
     telemetry = tmp_path / "events.jsonl"
     prov = apply(model, recipe.model_copy(update={"telemetry": recipe.telemetry.model_copy(update={"path": str(telemetry)})}), cm)
     try:
-        actuals = run_stage(prov, model, _batches(), PP, RANK)
+        run_iteration(model, _batches(), prov.stage.schedule, prov)
         lines = [json.loads(line) for line in telemetry.read_text().splitlines()]  # one per micro-batch
-        assert sorted(e["micro_batch"] for e in lines) == list(range(M))  # written in backward order
-        fields = {"phase", "budget", "predicted", "actual", "plan", "escalations", "deferred", "planner_s", "live_after_backward"}
-        assert all(fields <= set(e) for e in lines)
+        assert [e["micro_batch"] for e in lines] == [0, 1, 2, 3, 4, 5]  # written in backward order
+        fields = [
+            "micro_batch", "phase", "budget", "predicted", "plan", "escalations", "deferred", "tokens", "seq_len",
+            "planner_s", "actual", "peak_device_bytes", "live_after_backward",
+        ]
+        assert all(list(e) == fields for e in lines)
+        assert lines == [json.loads(e.to_json()) for e in prov.events]
         with pytest.raises(ValueError, match="no finished forward"):
             prov.end_backward(0)
         assert prov.ledger.peak_device_bytes <= capacity
-        assert all(e["actual"] <= e["budget"] for e in prov.events)
-        assert any(e["plan"] for e in prov.events)  # it had to mitigate
-        assert [e["actual"] for e in prov.events] == actuals
+        assert all(e.actual <= e.budget for e in prov.events)
+        assert any(e.plan for e in prov.events)  # it had to mitigate
+        actuals = [e.actual for e in prov.events]
         # 1F1B on rank 0 of 4: F0 F1 F2 F3 B0 ...: after B0 the stage keeps micro-batches 1-3
-        assert prov.events[0]["live_after_backward"] == sum(actuals[1:4])
+        assert prov.events[0].live_after_backward == sum(actuals[1:4])
         # budgets were re-based on actuals: the steady budget of micro-batch 4 is what micro-batch 0 freed
-        assert prov.events[4]["budget"] == capacity - (sum(actuals[:4]) - actuals[0])
+        assert prov.events[4].budget == capacity - (sum(actuals[:4]) - actuals[0])
     finally:
         prov.remove()
     # the same capacity with nothing mitigated overruns at the 3rd warmup forward, as on a GPU
@@ -75,12 +87,6 @@ def test_budget_below_m0_fails_before_training_with_numbers():
 
 
 def test_gate_escalates_exactly_the_spiking_layer_and_defers_in_warmup():
-    from bagualu_plugin.adapters import Adapter
-    from bagualu_plugin.adapters.experts import set_expert_parallel
-    from bagualu_plugin.adapters.gate import RoutingSkew
-    from bagualu_plugin.costmodel.pipeline import one_f_one_b
-    from bagualu_plugin.runtime.profiler import profile
-
     model = tiny_model("glm4_moe", num_hidden_layers=4)
     cm = profile(model, [32, 64, 128], ep_size=4, ep_rank=0, repeats=1)  # rank 0 of 4 emulated
     adapter = Adapter(model)
@@ -88,37 +94,67 @@ def test_gate_escalates_exactly_the_spiking_layer_and_defers_in_warmup():
     recipe = _recipe(model, int(2.5 * cm.activation_bytes(BATCH * SEQ, seq_len=SEQ)))
     recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"dp": 4, "ep": 4})})
     prov = apply(model, recipe, cm)
-    losses = {}
     spiking = (1, 4)  # a warmup and a steady micro-batch
+
+    def skew(step):
+        # the spiking micro-batches route every pair of layer 2 to this rank's experts (a 4x
+        # spike), in their forward and their backward's recompute; the others route through the
+        # same (no-op) hook so they save the same tensors
+        return RoutingSkew(adapter, 1.0 if step.micro_batch in spiking else 0.0, ep_size=4, ep_rank=0, layers=[2])
+
     try:
-        for step in one_f_one_b(PP, RANK, M):
-            ids = _batches()[step.micro_batch]
-            if step.kind == "B":
-                losses.pop(step.micro_batch).backward()
-                continue
-            prov.begin_forward(step.micro_batch, ids.numel(), SEQ)
-            # the spiking micro-batches route every pair of layer 2 to this rank's experts (a 4x
-            # spike); the others route through the same (no-op) hook so they save the same tensors
-            fraction = 1.0 if step.micro_batch in spiking else 0.0
-            with RoutingSkew(adapter, fraction, ep_size=4, ep_rank=0, layers=[2]):
-                losses[step.micro_batch] = model(input_ids=ids, labels=ids).loss
-            prov.end_forward(step.micro_batch)
-        events = {e["micro_batch"]: e for e in prov.events}
+        run_iteration(model, _batches(), prov.stage.schedule, prov, around=skew)
+        events = {e.micro_batch: e for e in prov.events}
         # warmup: the later warmup micro-batches give up what the spike needs (Algorithm 1 re-bases)
-        assert 2 in [x["layer"] for x in events[1]["deferred"]] and not events[1]["escalations"]
-        assert events[1]["actual"] > events[1]["budget"]
+        assert 2 in [x.layer for x in events[1].deferred] and not events[1].escalations
+        assert events[1].actual > events[1].budget
         # steady: the budget is all the free memory, so the spiking layer's experts recompute
-        spike = [x for x in events[4]["escalations"] if x["layer"] == 2]
-        assert spike and spike[0]["local_pairs"] == BATCH * SEQ * 2  # every (token, slot) pair landed here
-        assert events[4]["actual"] <= events[4]["budget"]
+        spike = [x for x in events[4].escalations if x.layer == 2]
+        assert spike and spike[0].local_pairs == BATCH * SEQ * 2  # every (token, slot) pair landed here
+        assert events[4].actual <= events[4].budget
         planned = BATCH * SEQ * 2 / 4 * recipe.spikes.normal_max_imbalance
         # a random-init router is skewed too: any other escalation is one that really overran
-        others = [x for e in prov.events for x in e["escalations"] + e["deferred"]]
-        assert all(x["local_pairs"] > planned and x["overrun"] > 0 for x in others)
+        others = [x for e in prov.events for x in e.escalations + e.deferred]
+        assert all(x.local_pairs > planned and x.overrun > 0 for x in others)
         assert prov.ledger.peak_device_bytes <= recipe.hardware.capacity_bytes
     finally:
         prov.remove()
         set_expert_parallel(adapter, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "pairs, decision",
+    [
+        # planned 100 pairs at 2 bytes each, slack 50, headroom 30, escalation saves 70
+        (110, GateDecision("fits", 0.0, 30.0, 30.0)),  # 10 extra pairs = 20 bytes, 50 - 20 = 30 left
+        (90, GateDecision("fits", 0.0, 50.0, 30.0)),  # fewer than planned: the slack stays
+        (125, GateDecision("fits", 0.0, 0.0, 30.0)),  # 25 pairs = 50 bytes: exactly the slack
+        (140, GateDecision("defer", 30.0, 0.0, 0.0)),  # 80 bytes, 30 over the slack: all the headroom
+        (141, GateDecision("escalate", 32.0, 120.0, 30.0)),  # 82 bytes, 32 over > 30; slack 50 + 70
+    ],
+)
+def test_gate_decision_by_hand(pairs, decision):
+    assert at_gate(pairs, planned=100, bytes_per_pair=2.0, escalation_bytes=-70.0, slack=50.0, headroom=30.0) == decision
+
+
+def test_stage_owns_usable_capacity_warmup_and_schedule():
+    model = tiny_model("glm4_moe", num_hidden_layers=4)
+    recipe = _recipe(model, 10_000_000)
+    recipe = recipe.model_copy(update={"budget": recipe.budget.model_copy(update={"reserve_bytes": 1_000_000})})
+    stage = Stage.of(recipe, model_cost(model), split=False)
+    assert stage.capacity == 9_000_000  # the reserve is never given to activations
+    assert stage.warmup == 4  # rank 0 of 4: three warmup forwards and the first steady one stack
+    assert [f"{s.kind}{s.micro_batch}" for s in stage.schedule][:6] == ["F0", "F1", "F2", "F3", "B0", "F4"]
+    last = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"rank": 3})})
+    assert Stage.of(last, model_cost(model), split=False).warmup == 1
+    few = recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"micro_batches": 2})})
+    assert Stage.of(few, model_cost(model), split=False).warmup == 2
+    prov = apply(model, recipe, model_cost(model))
+    try:  # the Provisioner budgets and limits the simulated device with the stage's numbers
+        assert (prov.budgets.capacity, prov.budgets.warmup) == (9_000_000, 4)
+        assert prov.ledger.capacity_bytes == 9_000_000
+    finally:
+        prov.remove()
 
 
 def test_engine_phase_and_in_flight_are_checked():
@@ -130,5 +166,17 @@ def test_engine_phase_and_in_flight_are_checked():
             prov.begin_forward(0, BATCH * SEQ, SEQ, phase="steady")
         with pytest.raises(ValueError, match=r"in_flight=2.*expects 0.*end_backward"):
             prov.begin_forward(0, BATCH * SEQ, SEQ, in_flight=2)
+        with pytest.raises(ValueError, match=r"end_forward\(0\): no forward of micro-batch 0 is running"):
+            prov.end_forward(0)
+        ids = _batches()[0]
+        prov.begin_forward(0, BATCH * SEQ, SEQ)
+        with pytest.raises(ValueError, match=r"begin_forward\(1\): the forward of micro-batch 0 has not ended"):
+            prov.begin_forward(1, BATCH * SEQ, SEQ)
+        model(input_ids=ids, labels=ids).loss.backward()
+        prov.end_forward(0)
+        # a new iteration with micro-batch 0 still awaiting its end_backward: the state is not empty
+        with pytest.raises(ValueError, match=r"begin_forward\(0\): micro-batches \[0\] of the last iteration await end_backward"):
+            prov.begin_forward(0, BATCH * SEQ, SEQ)
+        prov.end_backward(0)
     finally:
         prov.remove()

@@ -1,7 +1,9 @@
-"""Decisions of paper §V-A: the pipeline-aware budget of each micro-batch (Algorithm 1) and the
-per-operator mitigation that fits it (Algorithm 2)."""
+"""Decisions of paper §V-A: the pipeline-aware budget of each micro-batch (Algorithm 1), the
+per-operator mitigation that fits it (Algorithm 2) and the decision at each MoE gate (deferred
+planning)."""
 
 from .budget import BudgetState
+from .gate import GateDecision, at_gate
 from .greedy import CachedPlanner, Decision, InfeasibleBudget, plan_micro_batch
 
-__all__ = ["BudgetState", "CachedPlanner", "Decision", "InfeasibleBudget", "plan_micro_batch"]
+__all__ = ["BudgetState", "CachedPlanner", "Decision", "GateDecision", "InfeasibleBudget", "at_gate", "plan_micro_batch"]

@@ -2,14 +2,14 @@
 
 At each pipeline scheduling point the Provisioner gives the next forward micro-batch its budget
 (Algorithm 1), plans per-operator mitigation for the routing it expects (Algorithm 2, cached),
-and installs the plan. Right after each MoE gate the real local routed pairs are known: if they
-would take the micro-batch over its budget, then in warmup, when the later warmup micro-batches
-can give the bytes up and still keep M0, their budgets shrink instead; otherwise that layer's
-routed experts are recomputed as one unit before they run (deferred planning). That is the
-strongest escalation left once the router has run (the paper recomputes the whole MoE block),
-and it holds nothing per routed pair, the only bytes a spike adds. After the forward the budget
-is replaced by what the Ledger counted. The engine (nanotron's pipeline, or `run_stage` here) calls `begin_forward`,
-`end_forward`, `end_backward`.
+and installs the plan. Right after each MoE gate the real local routed pairs are known and
+`planner.at_gate` decides: they fit the slack; or, in warmup, the later warmup micro-batches give
+the bytes up; or that layer's routed experts are recomputed as one unit before they run
+(deferred planning). That is the strongest escalation left once the router has run (the paper
+recomputes the whole MoE block), and it holds nothing per routed pair, the only bytes a spike
+adds. After the forward the budget is replaced by what the Ledger counted. The engine
+(`runtime.driver.run_iteration`, or nanotron's pipeline) calls `begin_forward`, `end_forward`,
+`end_backward`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -27,17 +29,75 @@ from ..adapters.costs import model_cost
 from ..adapters.gate import GateMonitor
 from ..config import Recipe
 from ..costmodel import CostModel, OpId
-from ..costmodel.mitigation import footprint
-from ..costmodel.pipeline import one_f_one_b
 from ..costmodel.graph import EXPERT_OPS
+from ..costmodel.mitigation import footprint
 from ..costmodel.plan import Plan
-from ..planner import BudgetState, CachedPlanner
+from ..planner import BudgetState, CachedPlanner, at_gate
 from ..stage import Stage
 from .ledger import Ledger
 from .plan_runtime import PlanRuntime
 
-
 EVENTS_KEPT = 4096  # events held in memory; the telemetry file has them all
+
+
+@dataclass(frozen=True)
+class Deferral:
+    """A gate whose overrun the later warmup micro-batches' budgets absorb."""
+
+    layer: int
+    local_pairs: int
+    overrun: float
+
+
+@dataclass(frozen=True)
+class Escalation:
+    """A gate whose layer's routed experts are recomputed; `slack_after` is what is left then."""
+
+    layer: int
+    local_pairs: int
+    overrun: float
+    slack_after: float
+
+
+@dataclass
+class Event:
+    """One forward micro-batch, as the telemetry file has it (one JSON object per line, these
+    fields in this order). Complete once its backward has run."""
+
+    micro_batch: int
+    phase: str
+    budget: int
+    predicted: float
+    plan: dict[str, str]
+    escalations: list[Escalation]
+    deferred: list[Deferral]
+    tokens: int
+    seq_len: int
+    planner_s: float = 0.0
+    actual: int | None = None  # set by end_forward
+    peak_device_bytes: int | None = None  # static bytes plus the ledger's peak, at end_forward
+    live_after_backward: int | None = None  # set by end_backward
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+class _LayerCost(NamedTuple):
+    per_pair: float  # device bytes each local routed pair beyond the planned ones adds
+    escalation: float  # bytes recomputing the layer's experts changes, from the plan at planned pairs
+
+
+@dataclass
+class _Forward:
+    """The micro-batch whose forward is running: made by `begin_forward`, closed by `end_forward`
+    (as nanotron keeps one batch's buffers in its `PipelineTrainBatchState`)."""
+
+    event: Event
+    planned: float  # local routed pairs per MoE layer the plan was made for
+    costs: dict[int, _LayerCost]
+    slack: float  # bytes it may still add under its budget
+    headroom: float  # bytes later warmup micro-batches can still give up
+    hooks: AbstractContextManager  # the plan's saved-tensor hooks, entered
 
 
 class Provisioner:
@@ -46,36 +106,36 @@ class Provisioner:
         of the model's config)."""
         self.recipe = recipe
         self.stage = Stage.of(recipe, cost or model_cost(model, recipe.hardware), split=False)
-        pipe = recipe.pipeline
-        capacity = recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes
-        self.warmup = min(pipe.pp - pipe.rank, pipe.micro_batches)
-        self._first = BudgetState.start(capacity, self.stage.static_bytes, self.stage.min_budget, self.warmup)
+        stage = self.stage
+        self._first = BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup)
         self.budgets = self._first
-        balanced = self.stage.tokens * self.stage.cost.pairs_per_token
+        # the schedule's phase of each forward: 1F1B's steady phase starts one forward before
+        # Algorithm 1's does (that forward also runs before any backward, so it is budgeted as warmup)
+        self.phases = {s.micro_batch: s.phase for s in stage.schedule if s.kind == "F"}
+        balanced = stage.tokens * stage.cost.pairs_per_token
         self.planner = CachedPlanner(  # cache buckets: 1/16 of M0 and of the balanced routing
-            self.stage.cost,
-            budget_quantum=max(1, self.stage.min_budget // 16),
+            stage.cost,
+            budget_quantum=max(1, stage.min_budget // 16),
             routed_quantum=max(1, int(balanced) // 16),
             strategies=recipe.strategies.allowed,
-            options=self.stage.options,
+            options=stage.options,
         )
         self.runtime = PlanRuntime(
             model,
-            options=self.stage.options,
-            capacity_bytes=capacity if recipe.hardware.simulated else None,
-            static_bytes=self.stage.static_bytes,
+            options=stage.options,
+            capacity_bytes=stage.capacity if recipe.hardware.simulated else None,
+            static_bytes=stage.static_bytes,
         ).install()
         par = recipe.parallel
         self.gate = GateMonitor(self.runtime.adapter, par.ep, par.ep_rank, on_gate=self._on_gate).install()
         self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
         # the latest micro-batches' events (a long run would otherwise grow without bound) and
         # running totals over all of them
-        self.events: deque[dict] = deque(maxlen=EVENTS_KEPT)
+        self.events: deque[Event] = deque(maxlen=EVENTS_KEPT)
         self.forwards, self.planner_s = 0, 0.0
-        self._awaiting_backward: dict[int, dict] = {}
-        self._mb: int | None = None
-        self._forward = None
-        self._slopes: dict[tuple, dict[int, float]] = {}
+        self._awaiting_backward: dict[int, Event] = {}
+        self._forward: _Forward | None = None
+        self._layer_costs: dict[tuple, dict[int, _LayerCost]] = {}
 
     @property
     def ledger(self) -> Ledger:
@@ -90,12 +150,14 @@ class Provisioner:
         nanotron's `len(state.microbatches_activations_requiring_backward)`): they are checked
         against Algorithm 1's state, whose budgets are wrong if the two disagree."""
         start = time.perf_counter()
-        if mb == 0:  # a new iteration: Algorithm 1 starts over
+        if self._forward is not None:
+            raise ValueError(f"begin_forward({mb}): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
+        if mb == 0:  # a new iteration: Algorithm 1 starts over, with nothing left of the last one
+            if self._awaiting_backward:
+                raise ValueError(f"begin_forward(0): micro-batches {sorted(self._awaiting_backward)} of the last iteration await end_backward")
             self.budgets = self._first
-        # the schedule's phase: 1F1B's steady phase starts one forward before Algorithm 1's does
-        # (that forward also runs before any backward, so Algorithm 1 budgets it as warmup)
         pipe = self.recipe.pipeline
-        scheduled = "warmup" if mb < min(pipe.pp - pipe.rank - 1, pipe.micro_batches) else "steady"
+        scheduled = self.phases.get(mb, "steady")
         for name, given, wanted in (("phase", phase, scheduled), ("in_flight", in_flight, len(self._awaiting_backward))):
             if given is not None and given != wanted:
                 raise ValueError(
@@ -106,84 +168,70 @@ class Provisioner:
         budget = self.budgets.budget(mb)
         # plan for the common case (97.1% of iterations stay under normal_max_imbalance, §II-B);
         # heavier routing is caught at the gate
-        self._planned = tokens * self.stage.cost.pairs_per_token * self.recipe.spikes.normal_max_imbalance
-        decision = self.planner.plan(budget, tokens, [self._planned] * len(self.stage.cost.moe_layers), seq_len)
+        planned = tokens * self.stage.cost.pairs_per_token * self.recipe.spikes.normal_max_imbalance
+        decision = self.planner.plan(budget, tokens, [planned] * len(self.stage.cost.moe_layers), seq_len)
         self.runtime.set_plan(decision.plan)
-        self._event = {
-            "micro_batch": mb,
-            "phase": scheduled,
-            "budget": budget,
-            "predicted": decision.activation_bytes,
-            "plan": {str(op): s for op, s in sorted(decision.plan.items())},
-            "escalations": [],
-            "deferred": [],
-            "tokens": tokens,
-            "seq_len": seq_len,
-        }
-        self._slack = budget - decision.activation_bytes
-        self._headroom = self.budgets.headroom(mb)
         key = (tuple(sorted(decision.plan.items())), tokens, seq_len)
-        if key not in self._slopes:  # as few as the planner's cached decisions
-            self._slopes[key] = self._expert_bytes_per_pair()
-        self._per_pair = self._slopes[key]
+        if key not in self._layer_costs:  # as few as the planner's cached decisions
+            self._layer_costs[key] = self._gate_costs(decision.plan, tokens, seq_len, planned)
+        plan = {str(op): s for op, s in sorted(decision.plan.items())}
+        event = Event(mb, scheduled, budget, decision.activation_bytes, plan, [], [], tokens, seq_len)
         self.ledger.micro_batch = mb
-        self._mb = mb
-        self._forward = self.runtime.forward()
-        self._forward.__enter__()
-        self._event["planner_s"] = time.perf_counter() - start
+        hooks = self.runtime.forward()
+        hooks.__enter__()
+        self._forward = _Forward(
+            event, planned, self._layer_costs[key], budget - decision.activation_bytes, self.budgets.headroom(mb), hooks
+        )
+        event.planner_s = time.perf_counter() - start
 
-    def _expert_bytes_per_pair(self) -> dict[int, float]:
-        """Device bytes each extra local routed pair costs in each MoE layer under the plan."""
+    def _gate_costs(self, plan: Plan, tokens: int, seq_len: int, planned: float) -> dict[int, _LayerCost]:
+        """Per MoE layer under `plan`: the bytes of each extra local routed pair, and what
+        recomputing its experts changes (it keeps nothing per pair, so any count gives it)."""
         step = 1024
-        return {
-            layer: (self._layer_bytes(layer, self.runtime.plan, self._planned + step)
-                    - self._layer_bytes(layer, self.runtime.plan, self._planned)) / step
-            for layer in self.stage.cost.moe_layers
-        }
 
-    def _layer_bytes(self, layer: int, plan: Plan, routed: float) -> float:
-        """What MoE layer `layer` of this micro-batch keeps under `plan` with `routed` local pairs."""
-        cm = self.stage.cost
-        load = cm.loads(self._event["tokens"], routed, self._event["seq_len"])[layer]
-        names = {op.name: s for op, s in plan.items() if op.layer == layer}
-        return footprint(cm.blocks[layer], names, load, cm.hardware, self.stage.options).device_bytes
+        def kept(layer: int, plan: Plan, routed: float) -> float:
+            cm = self.stage.cost
+            load = cm.loads(tokens, routed, seq_len)[layer]
+            names = {op.name: s for op, s in plan.items() if op.layer == layer}
+            return footprint(cm.blocks[layer], names, load, cm.hardware, self.stage.options).device_bytes
+
+        costs = {}
+        for layer in self.stage.cost.moe_layers:
+            escalated = Plan({**plan, **{OpId(layer, n): "recompute" for n in EXPERT_OPS}})
+            base = kept(layer, plan, planned)
+            costs[layer] = _LayerCost((kept(layer, plan, planned + step) - base) / step, kept(layer, escalated, planned) - base)
+        return costs
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
-        """Deferred planning: the experts of `layer` have not run yet; if the pairs routed here
-        would overrun this micro-batch's slack, defer to later warmup budgets or recompute them."""
-        if self._mb is None or layer not in self._per_pair:
+        """Deferred planning: the experts of `layer` have not run yet (`planner.at_gate`)."""
+        f = self._forward
+        if f is None or layer not in f.costs:
             return
         pairs = int(local_pairs)  # one host sync per MoE layer
-        extra = (pairs - self._planned) * self._per_pair[layer]
-        if extra <= self._slack:
-            self._slack -= max(extra, 0)
-            return
-        overrun = extra - self._slack
-        if overrun <= self._headroom:  # warmup: the later micro-batches' budgets shrink instead
-            self._headroom -= overrun
-            self._slack = 0
-            self._event["deferred"].append({"layer": layer, "local_pairs": pairs, "overrun": overrun})
-            return
-        planned = self.runtime.plan
-        escalated = Plan({**planned, **{OpId(layer, n): "recompute" for n in EXPERT_OPS}})
-        self.runtime.set_plan(escalated)
-        # the layer now keeps only what its experts' checkpoint holds: the slack left is exact again
-        change = self._layer_bytes(layer, escalated, pairs) - self._layer_bytes(layer, planned, self._planned)
-        self._slack -= change
-        self._event["escalations"].append({"layer": layer, "local_pairs": pairs, "overrun": overrun, "slack_after": self._slack})
+        cost = f.costs[layer]
+        decision = at_gate(pairs, f.planned, cost.per_pair, cost.escalation, f.slack, f.headroom)
+        f.slack, f.headroom = decision.slack, decision.headroom
+        if decision.action == "defer":
+            f.event.deferred.append(Deferral(layer, pairs, decision.overrun))
+        elif decision.action == "escalate":
+            self.runtime.set_plan(Plan({**self.runtime.plan, **{OpId(layer, n): "recompute" for n in EXPERT_OPS}}))
+            f.event.escalations.append(Escalation(layer, pairs, decision.overrun, decision.slack))
 
     def end_forward(self, mb: int) -> int:
         """The bytes micro-batch `mb` really keeps; its budget becomes that (Algorithm 1)."""
-        self._forward.__exit__(None, None, None)
-        self._forward, self._mb = None, None
+        f = self._forward
+        if f is None or f.event.micro_batch != mb:
+            raise ValueError(f"end_forward({mb}): no forward of micro-batch {mb} is running")
+        f.hooks.__exit__(None, None, None)
+        self._forward = None
         actual = self.ledger.by_micro_batch().get(mb, 0)
         self.budgets = self.budgets.after_forward(mb, actual)
-        self._event["actual"] = actual
-        self._event["peak_device_bytes"] = self.ledger.peak_device_bytes + self.stage.static_bytes
-        self.events.append(self._event)
+        f.event.actual = actual
+        f.event.peak_device_bytes = self.ledger.peak_device_bytes + self.stage.static_bytes
+        self.events.append(f.event)
         self.forwards += 1
-        self.planner_s += self._event["planner_s"]
-        self._awaiting_backward[mb] = self._event
+        self.planner_s += f.event.planner_s
+        self._awaiting_backward[mb] = f.event
         return actual
 
     def end_backward(self, mb: int) -> int:
@@ -194,10 +242,10 @@ class Provisioner:
         event = self._awaiting_backward.pop(mb, None)
         if event is None:
             raise ValueError(f"end_backward({mb}): micro-batch {mb} has no finished forward awaiting its backward")
-        event["live_after_backward"] = live
+        event.live_after_backward = live
         if self.telemetry:
             with self.telemetry.open("a") as f:
-                f.write(json.dumps(event) + "\n")
+                f.write(event.to_json() + "\n")
         return live
 
     def remove(self) -> None:
@@ -208,25 +256,3 @@ class Provisioner:
 def apply(model: nn.Module, recipe: Recipe, cost: CostModel | None = None) -> Provisioner:
     """`bgl.apply`: install adaptive activation provisioning on `model` as `recipe` says."""
     return Provisioner(model, recipe, cost)
-
-
-def run_stage(
-    provisioner: Provisioner, model: nn.Module, batches: Sequence[torch.Tensor], pp: int, rank: int
-) -> list[float]:
-    """One iteration of pipeline rank `rank` of `pp` on one process: forwards and backwards in
-    nanotron's 1F1B order, so warmup micro-batches' activations really stay alive together."""
-    losses: dict[int, torch.Tensor] = {}
-    for step in one_f_one_b(pp, rank, len(batches)):
-        ids = batches[step.micro_batch]
-        if step.kind == "F":
-            provisioner.begin_forward(step.micro_batch, ids.numel(), ids.shape[-1], phase=step.phase, in_flight=len(losses))
-            try:
-                losses[step.micro_batch] = model(input_ids=ids, labels=ids).loss
-            finally:
-                provisioner.end_forward(step.micro_batch)
-        else:
-            loss = losses.pop(step.micro_batch)
-            loss.backward()
-            del loss
-            provisioner.end_backward(step.micro_batch)
-    return [e["actual"] for e in list(provisioner.events)[-len(batches):]]

@@ -1,0 +1,58 @@
+"""The one 1F1B driver: one training iteration of a pipeline rank on one process, its forwards and
+backwards in nanotron's order (`costmodel.pipeline.one_f_one_b`), so the warmup micro-batches'
+activations really stay alive together, as on that rank of a real pipeline.
+
+Every caller runs micro-batches through it: the tests, the demo's policies, `bgl.apply` users on
+one process; nanotron's engine and the dual-batch executor follow the same shape (begin_forward
+before a forward, end_forward after it, end_backward after a backward). What a caller needs per
+step, such as a micro-batch's routing skew that must hold in its backward's recompute too, or a
+memory timeline, comes in as `around`, a context entered around each step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+
+from ..costmodel.pipeline import Step
+from .provisioner import Provisioner
+
+
+def run_iteration(
+    model: nn.Module,
+    batches: Sequence[torch.Tensor],
+    schedule: Sequence[Step],
+    provisioner: Provisioner | None = None,
+    *,
+    around: Callable[[Step], AbstractContextManager] | None = None,
+) -> list[torch.Tensor]:
+    """Run `schedule` (e.g. `Stage.schedule`) on `model`: a forward of micro-batch i computes the
+    language-model loss of `batches[i]` (input ids, also the labels), its backward accumulates
+    gradients; no optimizer step. `around(step)` is entered around each step (begin_forward and
+    end_forward included). Returns every micro-batch's loss (detached), in micro-batch order.
+    On an exception every graph still awaiting its backward is dropped with this call."""
+    awaiting: dict[int, torch.Tensor] = {}  # losses whose backward has not run yet
+    losses: dict[int, torch.Tensor] = {}
+    for step in schedule:
+        mb, ids = step.micro_batch, batches[step.micro_batch]
+        with around(step) if around else nullcontext():
+            if step.kind == "F":
+                if provisioner:
+                    provisioner.begin_forward(mb, ids.numel(), ids.shape[-1], phase=step.phase, in_flight=len(awaiting))
+                try:
+                    awaiting[mb] = model(input_ids=ids, labels=ids).loss
+                finally:
+                    if provisioner:
+                        provisioner.end_forward(mb)
+            else:
+                loss = awaiting.pop(mb)
+                loss.backward()
+                losses[mb] = loss.detach()
+                del loss
+                if provisioner:
+                    provisioner.end_backward(mb)
+    if awaiting or len(losses) != len(batches):
+        raise ValueError(f"the schedule left micro-batches {sorted(awaiting)} without a backward or ran {len(losses)} of {len(batches)}")
+    return [losses[i] for i in range(len(batches))]
