@@ -278,7 +278,7 @@ def test_releases_from_other_threads():
             while chunk:
                 chunk.pop()
                 seen.append(ledger.live_device_bytes)
-        except Exception as exc:  # noqa: BLE001 - handed to the main thread
+        except Exception as exc:  # handed to the main thread
             errors.append(exc)
 
     threads = [threading.Thread(target=drop, args=(c,)) for c in chunks]
