@@ -13,6 +13,8 @@ from transformers import (
 
 from ..families import FAMILIES
 
+# fields shared by every tiny model, by the GLM-4 / DeepSeek-V3 MoE block, by Qwen2/3-MoE, and by
+# the two families without dense layers (Mixtral, gpt-oss)
 _COMMON = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 4, "num_experts_per_tok": 2}
 _GLM_LIKE = {
     "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3, "n_routed_experts": 8,
