@@ -142,12 +142,13 @@ def _profile(args: argparse.Namespace) -> int:
     except (UnsupportedModelError, ValueError) as exc:
         raise SystemExit(f"bagualu profile: {exc}") from None
     cm.save(args.out)
+    top = max(args.tokens)  # as one sequence
     rows = [
         [str(c.op), fmt_seconds(c.forward_s), fmt_seconds(c.backward_s), fmt_bytes(c.saved_bytes)]
-        for c in cm.op_costs(max(args.tokens))
+        for c in cm.op_costs(top, seq_len=top)
     ]
     print(table(["op", "Δt_f", "Δt_b", "Δm"], rows))
-    print(f"\nat T = {max(args.tokens)}: {fmt_bytes(cm.activation_bytes(max(args.tokens)))} saved for backward; wrote {args.out}")
+    print(f"\nat T = {top}: {fmt_bytes(cm.activation_bytes(top, seq_len=top))} saved for backward; wrote {args.out}")
     return 0
 
 

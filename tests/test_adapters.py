@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from bagualu_plugin.adapters import (
     FAMILIES,
     IMPLEMENTATION,
+    TINY_CONFIGS,
     Adapter,
     OpTracker,
     UnsupportedModelError,
@@ -166,6 +167,23 @@ def test_layers_and_ops(family):
             assert names == attn + ["dense_mlp"]
         else:
             assert names == attn + ["router"] + EXPERT_OPS + (["shared_expert"] if family in WITH_SHARED else [])
+
+
+@pytest.mark.parametrize("family", FAMS)
+def test_traits_match_the_hf_modules(family):
+    """The traits the cost model reads, checked against the modules transformers builds."""
+    traits = FAMILIES[family]
+    layer = moe_layers(tiny_model(family))[0]
+    mlp, attn = layer.module.mlp, layer.module.self_attn
+    assert all(hasattr(mlp, name) for name in traits.shared)
+    assert hasattr(mlp, "shared_expert_gate") == traits.shared_expert_gated
+    assert hasattr(attn, "sinks") == traits.attention_sinks
+    assert hasattr(attn, "kv_b_proj") == traits.mla
+    assert hasattr(layer.experts, "down_proj_bias") == traits.expert_bias
+
+
+def test_every_family_has_a_tiny_model():
+    assert set(TINY_CONFIGS) == set(FAMILIES)
 
 
 def test_unsupported_model_names_model_type_and_supported():

@@ -312,7 +312,7 @@ def test_activation_bytes_linear_in_tokens_and_routed_pairs():
 
 def test_eager_attention_is_quadratic_in_sequence_length():
     cm = CostModel.from_config(_tiny(attention="eager"), preset("cpu"))
-    one_seq = cm.activation_bytes(256)  # one sequence of 256
+    one_seq = cm.activation_bytes(256, seq_len=256)  # one sequence of 256
     four_seq = cm.activation_bytes(256, seq_len=64)  # four sequences of 64
     # probabilities: heads x L x L fp32 per sequence and layer (fp32 model: one copy); RoPE's
     # cos and sin tables (head_dim per position) are shared by the sequences

@@ -1,5 +1,6 @@
 """One code path for every HF MoE family: find the decoder layers, their MoE blocks, routers,
-experts and shared experts, and name their operators (DESIGN.md section 4)."""
+experts and shared experts, and name their operators (DESIGN.md section 4). The attribute names
+that differ come from the family's traits (`bagualu_plugin.families`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..costmodel.graph import EMBED_OPS, HEAD_OPS, LAYER_OPS, OpId
-from . import deepseek_v3, glm4_moe, gpt_oss, mixtral, qwen2_moe, qwen3_moe
-from .family import Family
-
-FAMILIES: dict[str, Family] = {
-    m.FAMILY.model_type: m.FAMILY for m in (glm4_moe, deepseek_v3, qwen2_moe, qwen3_moe, mixtral, gpt_oss)
-}
+from ..families import FAMILIES
 
 
 class UnsupportedModelError(ValueError):

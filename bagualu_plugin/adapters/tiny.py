@@ -6,16 +6,47 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GptOssConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
-from .adapter import FAMILIES
+from ..families import FAMILIES
+
+# fields shared by every tiny model, by the GLM-4 / DeepSeek-V3 MoE block, by Qwen2/3-MoE, and by
+# the two families without dense layers (Mixtral, gpt-oss)
+_COMMON = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 4, "num_experts_per_tok": 2}
+_GLM_LIKE = {
+    "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3, "n_routed_experts": 8,
+    "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+}
+_QWEN = {"intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_key_value_heads": 2, "num_experts": 8, "mlp_only_layers": [0]}
+_SMALL = {"intermediate_size": 32, "num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 8}
+
+# model_type -> (transformers config class, fields of its tiny model: hidden 64, 8 experts, top-2,
+# a dense first layer where the family has dense layers)
+TINY_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict]] = {
+    "glm4_moe": (Glm4MoeConfig, {**_GLM_LIKE, "num_key_value_heads": 2, "head_dim": 16}),
+    "deepseek_v3": (
+        DeepseekV3Config,
+        {
+            **_GLM_LIKE, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16, "v_head_dim": 24,
+        },
+    ),
+    "qwen2_moe": (Qwen2MoeConfig, {**_QWEN, "shared_expert_intermediate_size": 48}),
+    "qwen3_moe": (Qwen3MoeConfig, {**_QWEN, "head_dim": 16}),
+    "mixtral": (MixtralConfig, _SMALL),
+    "gpt_oss": (GptOssConfig, {**_SMALL, "head_dim": 16, "layer_types": ["sliding_attention", "full_attention"]}),
+}
 
 
 def tiny_config(family: str, **overrides):
     """The config of a tiny `family` model (hidden 64, 8 experts, top-2), fields overridable."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; supported: {', '.join(sorted(FAMILIES))}")
-    return FAMILIES[family].tiny_config(**overrides)
+    config_class, fields = TINY_CONFIGS[family]
+    return config_class(**{**_COMMON, **fields, **overrides})
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):

@@ -50,7 +50,7 @@ def block_kind(adapter: Adapter, layer: int) -> tuple[str, tuple[str, ...]]:
 def block_units(adapter: Adapter, layer: int) -> tuple[tuple[str, ...], ...]:
     """The block's recompute units, as the analytic and profiled cost models have them."""
     kind, ops = block_kind(adapter, layer)
-    return standard_units(kind, ops, shared_alone=len(adapter.family.shared) <= 1)
+    return standard_units(kind, ops, shared_alone=adapter.family.shared_expert_alone)
 
 
 def block_spans(adapter: Adapter, layer: int) -> tuple[tuple[str, ...], ...]:

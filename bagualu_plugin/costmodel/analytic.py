@@ -86,7 +86,7 @@ class _Block:
             for n, t in self.tensors.items()
         )
         ops = tuple(op.name for op in self.ops)
-        units = standard_units(self.kind, ops, shared_alone=self.dims.family != "qwen2_moe")
+        units = standard_units(self.kind, ops, shared_alone=self.dims.traits.shared_expert_alone)
         spans = standard_spans(self.kind, ops)
         return BlockGraph(self.kind, tuple(self.ops), tensors, self.dense_params, self.expert_params, units, spans)
 
@@ -96,7 +96,7 @@ class _Block:
         keeps `inp` itself), keep the upcast, 1/rms, and the normalised input for the weight
         multiply: cast back to the model dtype first, except in gpt-oss, which multiplies in FP32.
         Returns the saved tensors."""
-        normed = _F32 if self.dims.family == "gpt_oss" else self.b
+        normed = _F32 if self.dims.traits.norm_multiplies_fp32 else self.b
         saved = [inp] if self.b == _F32 else [self.tensor(f"{prefix}.x32", producer, self.tok(width), _F32)]
         saved.append(self.tensor(f"{prefix}.rstd", producer, self.tok(groups), _F32))
         saved.append(self.tensor(f"{prefix}.normed", producer, self.tok(width), normed))
@@ -165,7 +165,7 @@ def _attention(blk: _Block, inp: str) -> str:
         kernels=12,
     )
 
-    sinks = d.family == "gpt_oss"  # learned per-head sinks add one logit column, max-subtracted
+    sinks = d.traits.attention_sinks  # learned per-head sinks add one logit column, max-subtracted
     repeat = d.mla is None and nkv != nh and d.attention == "eager"  # repeat_kv copies k, v per query head
     blk.save("attn_core", blk.tensor("attn_core.q", core_q, blk.tok(q_w), b))
     blk.save("attn_core", blk.tensor("attn_core.k", core_k, blk.tok(nh * hd if repeat else k_w), b))
@@ -217,9 +217,8 @@ def _router(blk: _Block, h_in: str) -> str:
     """
     d, b = blk.dims, blk.b
     h, E, k = d.hidden_size, d.num_experts, d.top_k
-    fp32_router = d.family in ("glm4_moe", "deepseek_v3")
-    blk.save("router", blk.tensor("router.x32", "router", blk.tok(h), _F32) if fp32_router and b != _F32 else h_in)
-    if d.family == "gpt_oss":
+    blk.save("router", blk.tensor("router.x32", "router", blk.tok(h), _F32) if d.traits.router_fp32 and b != _F32 else h_in)
+    if d.traits.router_topk_softmax:
         blk.save("router", blk.tensor("router.topk_softmax", "router", blk.tok(k), b))
     else:
         blk.save("router", blk.tensor("router.scores", "router", blk.tok(E), _F32))
@@ -229,9 +228,9 @@ def _router(blk: _Block, h_in: str) -> str:
         blk.save("router", blk.tensor("router.topk_sum", "router", blk.tok(1), _F32))
     blk.op("router", (h_in,), blk.tok(2 * h * E), LinearForm(const=E * h * _F32) + blk.tok(h * b + 3 * E * _F32), kernels=10)
     blk.expert_params += E * h
-    if d.family == "gpt_oss":
+    if d.traits.router_topk_softmax:
         return "router.topk_softmax"
-    return blk.tensor("topk_weights", "router", blk.tok(k), _F32 if fp32_router or d.family == "mixtral" else b)
+    return blk.tensor("topk_weights", "router", blk.tok(k), _F32 if d.traits.routing_weights_fp32 else b)
 
 
 def _moe(blk: _Block, h_in: str) -> None:
@@ -241,10 +240,10 @@ def _moe(blk: _Block, h_in: str) -> None:
     h, E, inter = d.hidden_size, d.num_experts, d.moe_intermediate_size
     local = E // blk.par.ep
     shared = d.shared_expert_intermediate_size > 0
-    if shared and d.family == "qwen2_moe":  # Qwen2-MoE runs its shared expert before the router
+    if shared and d.traits.shared_expert_first:
         _shared_expert(blk, h_in)
     weights = _router(blk, h_in)
-    bias = d.family == "gpt_oss"
+    bias = d.traits.expert_bias
 
     offsets = blk.tensor("experts.offsets", "expert_fc1", LinearForm(const=local), _I32, floating=False)
     blk.save("expert_fc1", offsets, blk.tensor("expert_fc1.token_index", "expert_fc1", blk.pair(1), _I64, floating=False))
@@ -265,7 +264,7 @@ def _moe(blk: _Block, h_in: str) -> None:
 
     # SiLU gating keeps silu(gate); gpt-oss's clamped SwiGLU keeps four I-wide intermediates
     blk.save("expert_act", "fc1_out")
-    for i in range(4 if d.family == "gpt_oss" else 1):
+    for i in range(d.traits.expert_act_saves):
         blk.save("expert_act", blk.tensor(f"expert_act.t{i}", "expert_act", blk.pair(inter), b))
     blk.tensor("act_out", "expert_act", blk.pair(inter), b)
     blk.op("expert_act", ("fc1_out",), blk.pair(5 * inter), blk.pair(4 * inter * b), kernels=2)
@@ -283,7 +282,7 @@ def _moe(blk: _Block, h_in: str) -> None:
         kernels=5,
     )
     blk.expert_params += local * 3 * h * inter
-    if shared and d.family != "qwen2_moe":
+    if shared and not d.traits.shared_expert_first:
         _shared_expert(blk, h_in)
 
 def _shared_expert(blk: _Block, h_in: str) -> None:
@@ -291,7 +290,7 @@ def _shared_expert(blk: _Block, h_in: str) -> None:
     d, b, h = blk.dims, blk.b, blk.dims.hidden_size
     si = d.shared_expert_intermediate_size
     blk.gated_mlp("shared_expert", h_in, si, h)
-    if d.family == "qwen2_moe":
+    if d.traits.shared_expert_gated:
         blk.save("shared_expert", blk.tensor("shared_expert.gate_sig", "shared_expert", blk.tok(1), b))
         blk.save("shared_expert", blk.tensor("shared_expert.out", "shared_expert", blk.tok(h), b))
         blk.dense_params += h

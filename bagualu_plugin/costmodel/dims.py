@@ -6,14 +6,15 @@ YAML file and a direct `CostModel.from_config(ModelDims(...))` call.
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..families import FAMILIES, FamilyTraits, family_traits
 from ..validation import reject
 
-Family = Literal["glm4_moe", "deepseek_v3", "qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"]
-FAMILIES: tuple[str, ...] = Family.__args__
+ModelType = Literal[tuple(FAMILIES)]  # a supported HF config.model_type
 DType = Literal["bf16", "fp16", "fp32"]
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -35,7 +36,7 @@ class MLADims(_Strict):
 class ModelDims(_Strict):
     """A decoder-only MoE transformer as HF transformers builds it (DESIGN.md section 5)."""
 
-    family: Family
+    family: ModelType
     hidden_size: int = Field(gt=0)
     num_layers: int = Field(gt=0)
     num_attention_heads: int = Field(gt=0)
@@ -86,13 +87,18 @@ class ModelDims(_Strict):
                 "must be > 0 when first_k_dense > 0",
             ),
             (
-                (self.family == "deepseek_v3") != (self.mla is not None),
+                self.traits.mla != (self.mla is not None),
                 "mla",
-                "mla dimensions are required for family deepseek_v3 and only for it",
+                f"mla dimensions are required for families with latent attention "
+                f"({', '.join(f for f, t in FAMILIES.items() if t.mla)}) and only for them",
             ),
         ]
         reject([(path, msg) for bad, path, msg in checks if bad])
         return self
+
+    @property
+    def traits(self) -> FamilyTraits:
+        return FAMILIES[self.family]
 
     @property
     def moe_layers(self) -> list[int]:
@@ -104,24 +110,17 @@ class ModelDims(_Strict):
         so this module needs no transformers import). `dtype` and `attention` default to what the
         config says (`dtype`, `_attn_implementation`)."""
         get = lambda name, default=None: getattr(config, name, default)  # noqa: E731
-        family = get("model_type")
-        if family not in FAMILIES:
-            raise ValueError(f"unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}")
-        experts = get("n_routed_experts") or get("num_experts") or get("num_local_experts")
+        traits = family_traits(get("model_type"))
+        family = traits.model_type
         heads = get("num_attention_heads")
-        dense = get("first_k_dense_replace", 0)
-        if family in ("qwen2_moe", "qwen3_moe"):
-            only = sorted(get("mlp_only_layers") or [])
+        dense = get(traits.dense_layers_field) if traits.dense_layers_field else 0
+        if isinstance(dense, (list, tuple)):  # the dense layers' indices, which must lead
+            only = sorted(dense)
             if only != list(range(len(only))) or get("decoder_sparse_step", 1) != 1:
                 raise ValueError(f"{family}: dense layers must lead (mlp_only_layers {only}, decoder_sparse_step 1)")
             dense = len(only)
-        shared = {
-            "glm4_moe": get("n_shared_experts", 0) * get("moe_intermediate_size", 0),
-            "deepseek_v3": get("n_shared_experts", 0) * get("moe_intermediate_size", 0),
-            "qwen2_moe": get("shared_expert_intermediate_size", 0),
-        }.get(family, 0)
         mla = None
-        if family == "deepseek_v3":
+        if traits.mla:
             mla = MLADims(
                 q_lora_rank=get("q_lora_rank") or 0,
                 kv_lora_rank=get("kv_lora_rank"),
@@ -133,10 +132,7 @@ class ModelDims(_Strict):
         rope = get("rope_parameters") or {}
         head_dim = get("head_dim") or get("hidden_size") // heads
         rotary = rope.get("partial_rotary_factor", 1.0)
-        rope_dim = {
-            "deepseek_v3": get("qk_rope_head_dim"),
-            "gpt_oss": head_dim // 2,  # its rotary embedding returns half-width tables
-        }.get(family, int(head_dim * rotary))
+        rope_dim = mla.qk_rope_head_dim if mla else int(head_dim * rotary * traits.rope_table_width)
         return cls(
             family=family,
             hidden_size=get("hidden_size"),
@@ -145,17 +141,17 @@ class ModelDims(_Strict):
             num_key_value_heads=get("num_key_value_heads") or heads,
             head_dim=head_dim,
             vocab_size=get("vocab_size"),
-            num_experts=experts,
+            num_experts=get(traits.num_experts_field),
             top_k=get("num_experts_per_tok"),
             moe_intermediate_size=get("moe_intermediate_size") or get("intermediate_size"),
-            shared_expert_intermediate_size=shared,
-            first_k_dense=dense,
+            shared_expert_intermediate_size=prod(get(f, 0) for f in traits.shared_width) if traits.shared_width else 0,
+            first_k_dense=dense or 0,
             dense_intermediate_size=get("intermediate_size") if dense else 0,
-            qk_norm=family == "qwen3_moe" or bool(get("use_qk_norm", False)),
-            norm_topk_prob=family == "mixtral" or bool(get("norm_topk_prob", False)),
+            qk_norm=traits.qk_norm or bool(get("use_qk_norm", False)),
+            norm_topk_prob=traits.norm_topk_prob or bool(get("norm_topk_prob", False)),
             partial_rotary=rotary < 1,
             rope_dim=rope_dim,
-            layer_types=tuple(get("layer_types") or ()) if family == "gpt_oss" else (),
+            layer_types=tuple(get("layer_types") or ()) if traits.mixed_attention_layers else (),
             mla=mla,
             dtype=dtype or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[torch_dtype],
             attention=attention or get("_attn_implementation") or "sdpa",

@@ -15,6 +15,14 @@ elements) is a `LinearForm` over three load variables:
   the loss keeps its padded labels).
 
 The same form serves an analytic model built from dimensions and a model fitted to profiles.
+
+Without a sequence length, a micro-batch of T tokens is read as one sequence of T tokens. That is
+wrong in proportion to the batch for the terms a micro-batch keeps per sequence (`PER_SEQUENCE`):
+Q (eager attention's probabilities, B times too many for B sequences), N, and T₁ (MLA's
+single-sequence view of all T tokens); so a model with any of them needs the sequence length. The
+other two terms are kept once per micro-batch: L (one table of positions: RoPE's cos/sin, the
+position ids) and 1₁ (the one padded label row of a single sequence). Read at L = T they are high
+by at most T - L table rows and one label row, however many sequences the batch holds.
 """
 
 from __future__ import annotations
@@ -92,4 +100,11 @@ class LinearForm:
         return cls(**d)
 
 
+    @property
+    def per_sequence_terms(self) -> tuple[str, ...]:
+        """The nonzero coefficients of terms kept per sequence (`PER_SEQUENCE`)."""
+        return tuple(c for c in PER_SEQUENCE if getattr(self, c))
+
+
+PER_SEQUENCE = ("per_score", "per_sequence", "per_single_token")
 ZERO = LinearForm()

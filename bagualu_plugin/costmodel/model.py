@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..hardware import HardwareSpec, preset
@@ -111,9 +112,29 @@ class CostModel:
     def ops(self) -> list[OpId]:
         return [OpId(i, op.name) for i, b in self.blocks.items() for op in b.ops]
 
+    @cached_property
+    def per_sequence_tensors(self) -> list[str]:
+        """The tensors whose size depends on how the tokens split into sequences (`linear.PER_SEQUENCE`):
+        where there are any, every query needs `seq_len`."""
+        return [
+            f"{i}.{t.name} ({', '.join(t.elements.per_sequence_terms)})"
+            for i, block in self.blocks.items()
+            for t in block.tensors
+            if t.elements.per_sequence_terms
+        ]
+
     def loads(self, tokens: int, routed: Routed = None, seq_len: int | None = None) -> dict[int, Load]:
         """The load of each block. `routed`: local routed pairs of every MoE layer (a number for
-        all, or one per MoE layer in order); None means balanced routing, tokens * pairs_per_token."""
+        all, or one per MoE layer in order); None means balanced routing, tokens * pairs_per_token.
+        `seq_len`: tokens per sequence; None reads the micro-batch as one sequence, which only a
+        model without per-sequence tensors allows."""
+        if seq_len is None and self.per_sequence_tensors:
+            shown = ", ".join(self.per_sequence_tensors[:3]) + (", ..." if len(self.per_sequence_tensors) > 3 else "")
+            raise ValueError(
+                f"seq_len is required: {self.name or 'this model'} keeps tensors that grow with the sequences of a "
+                f"micro-batch ({shown}), so {tokens} tokens as one sequence is not {tokens} tokens as several; "
+                "pass the tokens per sequence"
+            )
         moe = self.moe_layers
         if routed is None or isinstance(routed, (int, float)):
             per_layer = dict.fromkeys(moe, routed)

@@ -358,7 +358,7 @@ def _fit(samples: list[dict[int, BlockSample]], adapter: Adapter, hw: HardwareSp
     """One graph per block. Under emulated expert parallelism this process stands for one rank
     and routes only its own tokens, so balanced routing puts T * top_k / ep pairs on its experts."""
     params = _params(adapter)
-    shared_alone = len(adapter.family.shared) <= 1
+    shared_alone = adapter.family.shared_expert_alone
     blocks = {}
     for index, first in samples[0].items():
         units = standard_units(first.kind, first.ops, shared_alone)
