@@ -59,7 +59,7 @@ class PlanRuntime:
             current_op=lambda: self.tracker.current,
         )
         self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options, HostPool())
-        self._regions: set[tuple[int, tuple[str, ...]]] = set()
+        self._regions: dict[tuple[int, tuple[str, ...]], frozenset[str]] = {}
         self._ops = frozenset(self.adapter.ops())  # set_plan runs per micro-batch: list them once
         self._stack: ExitStack | None = None
 
