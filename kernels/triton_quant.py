@@ -14,6 +14,7 @@ fp16 outputs are bit-exact there too.
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext
 
 import torch
@@ -26,8 +27,11 @@ try:
 except ImportError:  # optional dependency: the package falls back to the torch reference
     triton = None
 HAVE_TRITON = triton is not None
-# triton compiles or interprets a kernel depending on TRITON_INTERPRET when the kernel is defined.
-INTERPRETED = HAVE_TRITON and triton.knobs.runtime.interpret
+# triton compiles or interprets a kernel depending on TRITON_INTERPRET when the kernel is defined
+# (read through `triton.knobs` from triton 3.4 on).
+INTERPRETED = HAVE_TRITON and (
+    bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else os.environ.get("TRITON_INTERPRET") == "1"
+)
 
 TILE = 4096  # elements per program: enough bytes in flight per launch, few programs in the interpreter
 

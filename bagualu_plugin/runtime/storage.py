@@ -100,7 +100,7 @@ class HostPool:
         it (None if none may still run): write into it only after that event."""
         self.taken += 1
         size = _size_class(nbytes, pinned)
-        fits = [c for p, c in self._free if p == pinned and size <= c <= 2 * size]
+        fits = [c for p, c in list(self._free) if p == pinned and size <= c <= 2 * size]
         if fits:
             key = (pinned, min(fits))
             free = self._free[key]
