@@ -390,7 +390,8 @@ def test_device_is_the_models_and_follows_it():
     model = mlp()
     ledger = Ledger.for_model(model)
     assert ledger.device == torch.device("cpu") and model_device([]) == torch.device("cpu")
-    model.to("meta")
+    for p in model.parameters():  # what `.cuda()` does: the same Parameter objects, new data
+        p.data = p.data.to("meta")
     assert ledger.device == torch.device("cpu")
     ledger.refresh()
     assert ledger.device == torch.device("meta")
