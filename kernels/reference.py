@@ -7,9 +7,14 @@ inside its own block (per-tensor scales gave ~5e-2 gradient error, DESIGN.md sec
 bytes are one per element plus four per block, the cost model's `fp8_stored_bytes`.
 
 Scale convention: where amax / QMAX is zero (an all-zero block, or an FP32 amax below ~1e-43 whose
-quotient underflows) the scale is 1.0, so the block stores zeros and dequantises to zeros. Inputs
-must be finite: an inf or NaN makes its block's scale non-finite and the block's output undefined;
-no check is made, it would need a device sync.
+quotient underflows) the scale is 1.0, so the block stores zeros and dequantises to zeros.
+
+Non-finite values come back exactly. Saved tensors can hold them: the memory-efficient SDPA kernel
+of CUDA pads its log-sum-exp with +inf, masks hold -inf. A scale taken over them would be inf and
+turn every value of the block into 0 * inf = NaN. So the amax is taken over finite values only, and
+a block that holds a non-finite value is marked by a negative scale: its finite values use the
+narrower grid QMAX_SPECIAL, which frees the codes SPECIAL for +inf, -inf and NaN. Blocks without
+one are unchanged, and no check needs a device sync.
 
 Every step is an IEEE-rounded fp32 operation (true divisions by tensors, not multiplications by a
 reciprocal, which torch uses on CUDA for a Python-scalar divisor), so the Triton kernels can match
@@ -26,6 +31,10 @@ FORMATS = ("fp8_e4m3", "int8")
 # Largest magnitude of each format, and the storage dtype. int8 uses +-127 so the grid is symmetric.
 QMAX = {"fp8_e4m3": 448.0, "int8": 127.0}
 STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+# Grid of the finite values of a block holding a non-finite one, and the codes (as the payload reads
+# in fp32) of +inf, -inf and NaN there: fp8 +-448 and its own NaN, int8 +-127 and -128.
+QMAX_SPECIAL = {"fp8_e4m3": 416.0, "int8": 126.0}
+SPECIAL = {"fp8_e4m3": (448.0, -448.0, float("nan")), "int8": (127.0, -127.0, -128.0)}
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # One block is one tile row of the Triton kernels; larger scale blocks save < 0.01% more bytes.
 MAX_BLOCK_SIZE = 2**16
@@ -78,18 +87,31 @@ def quantize(x: torch.Tensor, block_size: int = 128, fmt: str = "fp8_e4m3") -> Q
     flat = x.contiguous().view(-1).float()
     n = flat.numel()
     blocks = torch.nn.functional.pad(flat, (0, -n % block_size)).view(-1, block_size)
-    amax = blocks.abs().amax(dim=1)
-    scales = amax / torch.full_like(amax, QMAX[fmt])
+    finite = torch.isfinite(blocks)
+    special = ~finite.all(dim=1)
+    amax = torch.where(finite, blocks.abs(), torch.zeros_like(blocks)).amax(dim=1)
+    qmax = torch.where(special, QMAX_SPECIAL[fmt], QMAX[fmt])
+    scales = amax / qmax
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
-    scaled = (blocks / scales[:, None]).view(-1)[:n].clamp(-QMAX[fmt], QMAX[fmt])
+    scaled = torch.minimum(torch.maximum(blocks / scales[:, None], -qmax[:, None]), qmax[:, None])
     if fmt == "int8":
         scaled = scaled.round()  # half to even; the clamp above made the int8 cast exact
-    return Quantized(scaled.to(STORAGE[fmt]), scales, x.shape, x.dtype, block_size, fmt)
+    pos, neg, nan = SPECIAL[fmt]
+    scaled = torch.where(finite, scaled, torch.where(blocks == torch.inf, pos, torch.where(blocks == -torch.inf, neg, nan)))
+    scales = torch.where(special, -scales, scales)
+    return Quantized(scaled.view(-1)[:n].to(STORAGE[fmt]), scales, x.shape, x.dtype, block_size, fmt)
 
 
 def dequantize(q: Quantized) -> torch.Tensor:
-    """payload * scale in FP32, cast back to the original dtype and shape."""
+    """payload * scale in FP32 (the special codes of a marked block back to inf, -inf, NaN), cast
+    back to the original dtype and shape."""
     check_quantized(q)
     n = q.payload.numel()
     values = torch.nn.functional.pad(q.payload.float(), (0, -n % q.block_size)).view(-1, q.block_size)
-    return (values * q.scales[:, None]).view(-1)[:n].to(q.dtype).view(q.shape)
+    out = values * q.scales.abs()[:, None]
+    pos, neg, nan = SPECIAL[q.fmt]
+    marked = (q.scales < 0)[:, None]
+    out = torch.where(marked & (values == pos), torch.inf, out)
+    out = torch.where(marked & (values == neg), -torch.inf, out)
+    out = torch.where(marked & ((values == nan) | values.isnan()), torch.nan, out)
+    return out.view(-1)[:n].to(q.dtype).view(q.shape)

@@ -14,9 +14,12 @@ fp16 outputs are bit-exact there too.
 
 from __future__ import annotations
 
+import os
+from contextlib import nullcontext
+
 import torch
 
-from .reference import QMAX, STORAGE, Quantized, check_args, check_quantized
+from .reference import QMAX, QMAX_SPECIAL, SPECIAL, STORAGE, Quantized, check_args, check_quantized
 
 try:
     import triton
@@ -24,8 +27,11 @@ try:
 except ImportError:  # optional dependency: the package falls back to the torch reference
     triton = None
 HAVE_TRITON = triton is not None
-# triton compiles or interprets a kernel depending on TRITON_INTERPRET when the kernel is defined.
-INTERPRETED = HAVE_TRITON and triton.knobs.runtime.interpret
+# triton compiles or interprets a kernel depending on TRITON_INTERPRET when the kernel is defined
+# (read through `triton.knobs` from triton 3.4 on).
+INTERPRETED = HAVE_TRITON and (
+    bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else os.environ.get("TRITON_INTERPRET") == "1"
+)
 
 TILE = 4096  # elements per program: enough bytes in flight per launch, few programs in the interpreter
 
@@ -38,6 +44,12 @@ def _require_triton(device: torch.device) -> None:
             f"the Triton kernels run on CUDA tensors, got a tensor on {device}; to run them on CPU set "
             "TRITON_INTERPRET=1 before bagualu_plugin.kernels.triton_quant is imported"
         )
+
+
+def _on(device: torch.device):
+    """Triton launches on the current device's current stream: make that the tensor's device, so a
+    tensor on cuda:1 with cuda:0 current runs there, ordered after the work that made it."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def _launch(n: int, block_size: int) -> tuple[tuple[int], dict]:
@@ -58,30 +70,46 @@ if HAVE_TRITON:
         return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
     @triton.jit
-    def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, n_blocks, QMAX: tl.constexpr, INT8: tl.constexpr,
+    def _quantize_kernel(x_ptr, q_ptr, s_ptr, n, n_blocks, QMAX: tl.constexpr, QMAX_SPECIAL: tl.constexpr,
+                         POS: tl.constexpr, NEG: tl.constexpr, INT8: tl.constexpr,
                          BLOCK: tl.constexpr, ROWS: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), tl.full((ROWS,), QMAX, tl.float32))
+        finite = (x == x) & (tl.abs(x) != float("inf"))
+        special = tl.max(tl.where(finite, 0, 1), axis=1) == 1
+        qmax = tl.where(special, QMAX_SPECIAL, QMAX)
+        scale = tl.math.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), qmax)
         scale = tl.where(scale == 0.0, 1.0, scale)
-        tl.store(s_ptr + rows, scale, mask=rows < n_blocks)
+        tl.store(s_ptr + rows, tl.where(special, -scale, scale), mask=rows < n_blocks)
         v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], (ROWS, BLOCK)))
-        v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+        v = tl.minimum(tl.maximum(v, -qmax[:, None]), qmax[:, None])
         if INT8:
-            q = _round_half_even(v).to(tl.int8)
+            v = _round_half_even(v)
+            v = tl.where(finite, v, tl.where(x == float("inf"), POS, tl.where(x == float("-inf"), NEG, -128.0)))
+            q = v.to(tl.int8)
         else:
+            v = tl.where(finite, v, tl.where(x == float("inf"), POS, tl.where(x == float("-inf"), NEG, float("nan"))))
             q = v.to(tl.float8e4nv)
         tl.store(q_ptr + offs, q, mask=mask)
 
     @triton.jit
-    def _dequantize_kernel(q_ptr, s_ptr, y_ptr, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    def _dequantize_kernel(q_ptr, s_ptr, y_ptr, n, POS: tl.constexpr, NEG: tl.constexpr, INT8: tl.constexpr,
+                           BLOCK: tl.constexpr, ROWS: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         mask = offs < n
-        scale = tl.load(s_ptr + rows, mask=rows * BLOCK < n)
-        y = tl.load(q_ptr + offs, mask=mask).to(tl.float32) * scale[:, None]
+        scale = tl.load(s_ptr + rows, mask=rows * BLOCK < n, other=1.0)
+        v = tl.load(q_ptr + offs, mask=mask).to(tl.float32)
+        y = v * tl.abs(scale)[:, None]
+        marked = (scale < 0.0)[:, None]
+        y = tl.where(marked & (v == POS), float("inf"), y)
+        y = tl.where(marked & (v == NEG), float("-inf"), y)
+        if INT8:
+            y = tl.where(marked & (v == -128.0), float("nan"), y)
+        else:
+            y = tl.where(marked & (v != v), float("nan"), y)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -95,7 +123,10 @@ def quantize(x: torch.Tensor, block_size: int = 128, fmt: str = "fp8_e4m3") -> Q
     scales = torch.empty(-(-n // block_size), dtype=torch.float32, device=x.device)
     if n:
         grid, meta = _launch(n, block_size)
-        _quantize_kernel[grid](flat, payload, scales, n, scales.numel(), QMAX=QMAX[fmt], INT8=fmt == "int8", **meta)
+        pos, neg, _ = SPECIAL[fmt]
+        with _on(x.device):
+            _quantize_kernel[grid](flat, payload, scales, n, scales.numel(), QMAX=QMAX[fmt], QMAX_SPECIAL=QMAX_SPECIAL[fmt],
+                                   POS=pos, NEG=neg, INT8=fmt == "int8", **meta)
     return Quantized(payload, scales, x.shape, x.dtype, block_size, fmt)
 
 
@@ -107,5 +138,7 @@ def dequantize(q: Quantized) -> torch.Tensor:
     out = torch.empty(n, dtype=q.dtype, device=q.payload.device)
     if n:
         grid, meta = _launch(n, q.block_size)
-        _dequantize_kernel[grid](q.payload, q.scales, out, n, **meta)
+        pos, neg, _ = SPECIAL[q.fmt]
+        with _on(out.device):
+            _dequantize_kernel[grid](q.payload, q.scales, out, n, POS=pos, NEG=neg, INT8=q.fmt == "int8", **meta)
     return out.view(q.shape)

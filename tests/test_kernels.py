@@ -77,6 +77,36 @@ def test_zero_blocks_have_scale_one_and_come_back_exactly(fmt):
     assert torch.equal(deq[16:48], x[16:48])
 
 
+def nonfinite(n=100, seed=3):
+    """An activation with +inf (SDPA's padded log-sum-exp), -inf (masks) and a NaN in some blocks."""
+    x = activation(n, seed=seed)
+    x[[5, 99]], x[7], x[40] = torch.inf, -torch.inf, torch.nan
+    return x
+
+
+@pytest.mark.parametrize("fmt", ref.FORMATS)
+def test_non_finite_values_come_back_exactly_and_spare_their_blocks(fmt):
+    """A scale over an inf would be inf and every value of its block would come back NaN
+    (0 * inf): the scale is taken over finite values, the block marked by its sign."""
+    x = nonfinite()
+    q = ref.quantize(x, 16, fmt)
+    assert torch.all(q.scales.isfinite())
+    assert (q.scales < 0).tolist() == [True, False, True, False, False, False, True]
+    deq = ref.dequantize(q)
+    special = ~x.isfinite()
+    torch.testing.assert_close(deq[special], x[special], rtol=0, atol=0, equal_nan=True)
+    finite = ~special
+    assert deq[finite].isfinite().all()
+    s = per_element(q).abs()[finite]
+    bound = s * 0.5 if fmt == "int8" else torch.maximum(x[finite].abs() * 2**-4, s * 2**-10)
+    assert torch.all((deq[finite] - x[finite]).abs() <= bound * (1 + 2**-16))
+    plain = x.clone()
+    plain[special] = 0
+    unmarked = ref.quantize(plain, 16, fmt)  # blocks without a special value are unchanged
+    keep = (q.scales > 0).repeat_interleave(16)[:100]
+    assert torch.equal(bits(q.payload)[keep], bits(unmarked.payload)[keep])
+
+
 @pytest.mark.parametrize("fmt", ref.FORMATS)
 def test_partial_last_block_has_its_own_scale(fmt):
     x = activation(3 * 32 + 5)
@@ -198,6 +228,7 @@ def _cases():
         cases[f"{fmt}-cast-edges"] = (_e4m3_cast_edges(), 1024, fmt)
     ties = torch.cat([torch.arange(-127, 127) + 0.5, torch.tensor([127.0])])  # scale exactly 1
     cases["int8-ties"] = (ties, 256, "int8")
+    cases["int8-nonfinite"] = (nonfinite(), 16, "int8")
     return cases
 
 
@@ -266,7 +297,8 @@ def test_interpreted_dequantize_of_the_reference_payload_is_bit_exact(interprete
         expected = (product.view(torch.int32) & -(2**16)).view(torch.float32).to(torch.bfloat16).view(x.shape)
     else:
         expected = ref.dequantize(r)
-    assert out.dtype == x.dtype and torch.equal(out, expected)
+    assert out.dtype == x.dtype
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
 
 
 # ---------------------------------------------------------------- Triton kernels on a GPU

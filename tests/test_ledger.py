@@ -371,3 +371,50 @@ def test_tiny_qwen3_moe_forward_and_backward():
     loss.backward()
     assert ledger.live_device_bytes == 0
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+# ---------------------------------------------------------------- device and copies in flight
+
+
+class Copy:
+    """A copy still running until `finish()`: what the Ledger reads of a CUDA event."""
+
+    def __init__(self):
+        self.done, self.waited = False, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def test_device_is_the_models():
+    """PlanRuntime and the profiler pass no device: the ledger takes the parameters' device (a
+    CUDA tensor's carries its index), looked up again by refresh() (PlanRuntime.forward calls it),
+    so the allocator is read where the model computes. Meta stands in for a GPU here."""
+    from bagualu_plugin.runtime.ledger import model_device
+
+    assert Ledger.for_model(mlp()).device == torch.device("cpu") and model_device([]) == torch.device("cpu")
+    with torch.device("meta"):
+        model = mlp()
+    ledger = Ledger.for_model(model)
+    assert ledger.device == torch.device("meta")
+    assert model_device([torch.ones(1), torch.empty(1, device="meta")]) == torch.device("meta")
+    assert Ledger.for_model(model, device="cpu").device == torch.device("cpu")  # an explicit one wins
+
+
+def test_copies_in_flight_count_until_done_and_are_capped():
+    ledger = Ledger()
+    source, other = torch.ones(10), torch.ones(30)
+    first, second = Copy(), Copy()
+    ledger.in_flight(source, first)
+    ledger.in_flight(other, second)
+    del source, other  # the allocator keeps them until their copies have passed
+    assert ledger.live_device_bytes == ledger.in_flight_bytes == 160 and ledger.peak_device_bytes == 160
+    ledger.wait_in_flight(150)  # over the cap: the host waits for the oldest copy only
+    assert first.waited and not second.waited and ledger.live_device_bytes == 120
+    second.done = True
+    assert ledger.live_device_bytes == 0 and ledger.peak_device_bytes == 160
+    ledger.reset_peak()
+    assert ledger.peak_device_bytes == 0

@@ -5,7 +5,8 @@ One storage has one form, whoever saves it: savers share a host copy or a quanti
 when one saver keeps the storage on the device every other saver uses that copy, so mitigation
 never leaves two copies (the conflicts of §V-A cost nothing but save nothing; `find_conflicts`
 reports them so a planner can avoid them). Offloaded copies are grouped per op, so that restoring
-an op's first copy in backward prefetches the copies of the op before it.
+an op's first copy in backward prefetches the copies of the op before it; the chain of groups
+starts again with each forward (micro-batch ids repeat every iteration).
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class SavedTensorHooks:
         self.plan, self.ledger, self.current_op, self.options, self.pool = plan, ledger, current_op, options, pool
         self._last_offload: dict[int | None, _Offloads] = {}  # per micro-batch: its latest op's host copies
         self._forms: dict[StorageKey, tuple[str, object, weakref.ref]] = {}  # live storages this plan has packed
+
+    def new_forward(self, *_) -> None:
+        """The model's forward pre-hook: this micro-batch's offloads start a new chain, so that
+        prefetch never reaches into another forward and old chains die with their copies."""
+        self._last_offload.pop(self.ledger.micro_batch, None)
 
     def layer_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A decoder layer's forward pre-hook: what every layer receives (RoPE tables, masks) is

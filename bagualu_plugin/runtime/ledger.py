@@ -8,7 +8,9 @@ static memory, and a storage stops counting the moment the last saved tensor obj
 
 On CPU "device memory" is what this ledger counts, plus the caller's ``static_bytes``; a simulated
 capacity turns "over capacity" into the same error a GPU raises. On CUDA the accounting is the
-same, and the caching allocator can be read alongside it.
+same, and the caching allocator of the model's device can be read alongside it. There the
+allocator holds the source of an offload until its copy to the host has passed, so that source
+counts on the device while its copy is in flight.
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ class _Live:
     holders: list = field(default_factory=list)  # weak references to its recorded tensor objects
 
 
+def model_device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """The device a model computes on: that of its first parameter off the CPU (a CUDA tensor's
+    device carries its index), else the CPU."""
+    for t in tensors:
+        if t.device.type != "cpu":
+            return t.device
+    return torch.device("cpu")
+
+
 def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int] | None:
     """(key, nbytes) of the storage behind ``tensor``; None when it holds no real memory.
 
@@ -102,6 +113,10 @@ class Ledger:
     attributed to it and to whatever ``current_op()`` returns (an op id, hashable).
     ``source(tensor)`` names the op that made a newly saved storage (the profiler's provenance).
 
+    ``device``: the compute device (saved CPU tensors count as host memory under a CUDA one, the
+    allocator is read there); by default the device of the excluded parameters, looked up again
+    by `refresh` (a model moved with `.cuda()` after the ledger was made).
+
     Weakref callbacks run whenever the garbage collector or another thread drops a saved tensor, possibly
     in the middle of a ``record``. They therefore only append to a queue; every public method
     applies the queued releases under the lock before it reads or writes, so counts are exact at
@@ -111,16 +126,18 @@ class Ledger:
     def __init__(self, *, capacity_bytes: int | None = None, static_bytes: int = 0,
                  exclude: Iterable[torch.Tensor] = (), current_op: Callable[[], object] = lambda: None,
                  source: Callable[[torch.Tensor], object] = lambda tensor: None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str | None = None):
         self.capacity_bytes = capacity_bytes
         self.static_bytes = static_bytes
         self.current_op = current_op
         self.source = source
-        self.device = torch.device(device)
         self.micro_batch: int | None = None
         self._exclude = tuple(exclude)
-        self._excluded = self._exclusion_keys()
+        self._device = None if device is None else torch.device(device)
+        self.refresh()
         self._live: dict[StorageKey, _Live] = {}
+        self._in_flight: deque[tuple[int, object]] = deque()  # (bytes, event) of copies out, oldest first
+        self._in_flight_bytes = 0
         self._bytes = dict.fromkeys(_RESIDENCIES, 0)
         self._peak = 0
         self._released: deque[tuple[_Live, weakref.ref]] = deque()
@@ -132,6 +149,12 @@ class Ledger:
         exclude = [*model.parameters(), *model.buffers(), *kw.pop("exclude", ())]
         return cls(exclude=exclude, **kw)
 
+    def refresh(self) -> None:
+        """Look at the parameters again: they get new storages (and maybe a device) when the model
+        moves after the ledger was made (`.cuda()`, `.to(dtype)`, DDP's `prepare`)."""
+        self._excluded = self._exclusion_keys()
+        self.device = self._device if self._device is not None else model_device(self._exclude)
+
     # ------------------------------------------------------------------ recording
 
     @contextlib.contextmanager
@@ -140,7 +163,7 @@ class Ledger:
 
         Innermost hooks win: inside offload/fp8/checkpoint hooks those record for themselves.
         """
-        self._excluded = self._exclusion_keys()  # parameters may have moved since __init__
+        self.refresh()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield self
 
@@ -201,18 +224,46 @@ class Ledger:
                 entry = _Live(Record(key, nbytes, residency, op, micro_batch, tensor.dtype, source, (op,)))
                 self._live[key] = entry
                 self._bytes[residency] += nbytes
-                self._peak = max(self._peak, self._bytes["device"])
+                self._peak = max(self._peak, self._bytes["device"] + self._in_flight_bytes)
             elif op not in entry.record.savers:
                 entry.record = entry.record._replace(savers=(*entry.record.savers, op))
             # a weakref callback (not weakref.finalize, 25x dearer): called once, when `tensor` dies
             entry.holders.append(weakref.ref(tensor, lambda ref, entry=entry: self._released.append((entry, ref))))
 
+    def in_flight(self, tensor: torch.Tensor, done: object) -> None:
+        """Count the storage of `tensor`, a source being copied off the device, on the device until
+        `done` (a CUDA event: anything with `query()` and `synchronize()`) has completed: the
+        caching allocator keeps it that long, even when every tensor of it has died."""
+        found = _storage(tensor)
+        if found is None:
+            return
+        with self._locked():
+            self._in_flight.append((found[1], done))
+            self._in_flight_bytes += found[1]
+            self._peak = max(self._peak, self._bytes["device"] + self._in_flight_bytes)
+
+    @property
+    def in_flight_bytes(self) -> int:
+        with self._locked():
+            return self._in_flight_bytes
+
+    def wait_in_flight(self, limit: int) -> None:
+        """Wait on the host for the oldest copies until at most `limit` bytes are in flight (the
+        only way to bound what the allocator holds when copies fall behind compute)."""
+        while True:
+            with self._locked():
+                if self._in_flight_bytes <= limit or not self._in_flight:
+                    return
+                oldest = self._in_flight[0][1]
+            oldest.synchronize()
+
     # ------------------------------------------------------------------ reading
 
     @property
     def live_device_bytes(self) -> int:
+        """Saved storages on the device, plus sources of copies still in flight."""
         with self._locked():
-            return self._bytes["device"]
+            return self._bytes["device"] + self._in_flight_bytes
 
     @property
     def live_host_bytes(self) -> int:
@@ -226,8 +277,11 @@ class Ledger:
             return self._peak
 
     def reset_peak(self) -> None:
+        """Restart the peak from now, the allocator's too on CUDA (`max_allocated_bytes`)."""
         with self._locked():
-            self._peak = self._bytes["device"]
+            self._peak = self._bytes["device"] + self._in_flight_bytes
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def by_op(self, residency: Residency = "device") -> dict[object, int]:
         return self._group(lambda r: r.op, residency)
@@ -256,6 +310,8 @@ class Ledger:
             yield
 
     def _apply_releases(self) -> None:
+        while self._in_flight and self._in_flight[0][1].query():  # copies complete in order
+            self._in_flight_bytes -= self._in_flight.popleft()[0]
         while self._released:
             entry, ref = self._released.popleft()
             entry.holders.remove(ref)
@@ -268,7 +324,7 @@ class Ledger:
                 assert self._bytes[record.residency] >= 0, self._bytes
 
     def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
-        live = self._bytes["device"]
+        live = self._bytes["device"] + self._in_flight_bytes
         if self.capacity_bytes is not None and self.static_bytes + live + nbytes > self.capacity_bytes:
             raise SimulatedOutOfMemoryError(
                 capacity_bytes=self.capacity_bytes, static_bytes=self.static_bytes, live_bytes=live,

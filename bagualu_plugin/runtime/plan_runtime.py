@@ -58,9 +58,8 @@ class PlanRuntime:
             static_bytes=static_bytes,
             current_op=lambda: self.tracker.current,
         )
-        cuda = any(p.is_cuda for p in self.adapter.model.parameters())
-        self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options, HostPool(pinned=cuda))
-        self._regions: set[tuple[int, tuple[str, ...]]] = set()
+        self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options, HostPool())
+        self._regions: dict[tuple[int, tuple[str, ...]], frozenset[str]] = {}
         self._ops = frozenset(self.adapter.ops())  # set_plan runs per micro-batch: list them once
         self._stack: ExitStack | None = None
 
@@ -90,6 +89,7 @@ class PlanRuntime:
             stack.callback(setattr, a.config, "use_cache", True)
         self.tracker.install()
         stack.callback(self.tracker.remove)
+        stack.callback(a.model.register_forward_pre_hook(self.hooks.new_forward).remove)
         for layer in [-1, *(part.index for part in a.layers), a.head_index]:
             for unit in dict.fromkeys((*block_units(a, layer), *block_spans(a, layer))):
                 module = unit_module(a, layer, unit)
@@ -147,6 +147,7 @@ class PlanRuntime:
     @contextmanager
     def forward(self) -> Iterator[Ledger]:
         """The saved-tensor hooks for the forward passes inside the block."""
+        self.ledger.refresh()  # the model may have moved since (`.cuda()` after the runtime was built)
         with torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack):
             yield self.ledger
 

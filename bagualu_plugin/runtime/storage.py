@@ -20,10 +20,12 @@ from .ledger import Ledger
 class Stored:
     """A device storage kept elsewhere, shared by every saver of it. `restore()` gives the whole
     storage back on the device as a flat tensor of the saved dtype (reused while alive, so two
-    savers unpacking it in backward share one copy); `prefetch()` starts that early."""
+    savers unpacking it in backward share one copy); `prefetch()` starts that early. The Ledger
+    counts the restored copy on the device while it lives."""
 
-    def __init__(self, flat: torch.Tensor):
+    def __init__(self, flat: torch.Tensor, ledger: Ledger):
         self.dtype, self.device, self.numel = flat.dtype, flat.device, flat.numel()
+        self.ledger = ledger
         self.on_device: torch.Tensor | None = None  # set when a keeping saver makes this moot
         self._restored: Callable[[], torch.Tensor | None] = lambda: None
         self._prefetched: torch.Tensor | None = None
@@ -33,18 +35,24 @@ class Stored:
         if self.on_device is not None:
             return self.on_device
         flat = self._restored()
-        if flat is None:
-            flat = self._prefetched if self._prefetched is not None else self._load()
+        first = flat is None
+        if first:
+            flat = self._prefetched if self._prefetched is not None else self._bring()
             self._prefetched = None
-            self._ready(flat)
             self._restored = weakref.ref(flat)
-            if self.on_restore is not None:
-                self.on_restore(self)
+        self._ready(flat)  # every saver: it may read on another stream than the one before
+        if first and self.on_restore is not None:
+            self.on_restore(self)
         return flat
 
     def prefetch(self) -> None:
         if self.on_device is None and self._prefetched is None and self._restored() is None:
-            self._prefetched = self._load()
+            self._prefetched = self._bring()
+
+    def _bring(self) -> torch.Tensor:
+        flat = self._load()
+        self.ledger.record(flat)
+        return flat
 
     def _ready(self, flat: torch.Tensor) -> None:
         """Make `flat` safe to read on the current stream."""
@@ -55,64 +63,93 @@ class Stored:
         self._release()
 
 
-def _size_class(nbytes: int) -> int:
-    """Host buffer sizes: 4 KiB, then steps of 1/8 of the power of two below (<= 12.5% unused)."""
+def _size_class(nbytes: int, pinned: bool) -> int:
+    """Host buffer sizes. Pinned: powers of two, as torch's pinned allocator rounds them anyway.
+    Plain: 4 KiB, then steps of 1/8 of the power of two below (<= 12.5% unused)."""
     if nbytes <= 4096:
         return 4096
+    if pinned:
+        return 1 << (nbytes - 1).bit_length()
     step = 1 << (nbytes.bit_length() - 4)
     return -(-nbytes // step) * step
 
 
 class HostPool:
     """Host buffers for offloaded storages, reused from micro-batch to micro-batch as a caching
-    allocator reuses device memory: pinned on CUDA (copies out and back run on side streams and
-    overlap compute), plain memory on CPU, where the same path runs synchronously. A buffer
-    returns to the pool when its copy dies, and is handed out again only once the copy back to
-    the device that read it has finished. The pool keeps what was once in use at the same time."""
+    allocator reuses device memory: pinned for CUDA sources (decided per copy, so a model moved
+    to the GPU after the runtime was built still copies asynchronously), plain memory for CPU
+    ones, where the same path runs synchronously.
 
-    def __init__(self, pinned: bool = False):
-        self.pinned = pinned
+    Routing changes the sizes of expert activations every micro-batch, so a request takes the
+    smallest free buffer that fits (up to twice its size class), and free buffers beyond
+    `max_free_bytes` are let go, largest first. A buffer comes back with the event of the last copy
+    that touched it; the next copy into it waits for that event on its own stream (no host wait).
+    Copies out and back run on two side streams per device, so neither direction queues behind
+    the other. More than `max_in_flight_bytes` of copies out make the host wait for the oldest."""
+
+    def __init__(self, max_free_bytes: int = 16 << 30, max_in_flight_bytes: int = 4 << 30):
+        self.max_free_bytes, self.max_in_flight_bytes = max_free_bytes, max_in_flight_bytes
         self.made = 0  # buffers allocated; `taken` - `made` were reused
         self.taken = 0
-        self._free: dict[int, list[tuple[torch.Tensor, object]]] = {}
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.free_bytes = 0
+        self._free: dict[tuple[bool, int], list[tuple[torch.Tensor, object]]] = {}
+        self._streams: dict[tuple[torch.device, str], torch.cuda.Stream] = {}
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 host buffer of at least `nbytes`."""
+    def take(self, nbytes: int, pinned: bool) -> tuple[torch.Tensor, object]:
+        """A uint8 host buffer of at least `nbytes`, and the event of the last copy that touched
+        it (None if none may still run): write into it only after that event."""
         self.taken += 1
-        free = self._free.get(_size_class(nbytes))
-        if free:
-            buffer, reading = free.pop()
-            if reading is not None:
-                reading.synchronize()
-            return buffer
+        size = _size_class(nbytes, pinned)
+        fits = [c for p, c in list(self._free) if p == pinned and size <= c <= 2 * size]
+        if fits:
+            key = (pinned, min(fits))
+            free = self._free[key]
+            buffer, done = free.pop()
+            if not free:
+                del self._free[key]
+            self.free_bytes -= buffer.numel()
+            return buffer, done
         self.made += 1
-        return torch.empty(_size_class(nbytes), dtype=torch.uint8, pin_memory=self.pinned)
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pinned), None
 
-    def give(self, buffer: torch.Tensor, reading: object = None) -> None:
-        """Take `buffer` back; `reading`: the CUDA event of a copy still reading it, if any."""
-        self._free.setdefault(buffer.numel(), []).append((buffer, reading))
+    def give(self, buffer: torch.Tensor, pinned: bool, done: object = None) -> None:
+        """Take `buffer` back; `done`: the event of the last copy touching it, if any."""
+        self._free.setdefault((pinned, buffer.numel()), []).append((buffer, done))
+        self.free_bytes += buffer.numel()
+        while self.free_bytes > self.max_free_bytes:  # torch's pinned allocator waits for its copies
+            key = max(self._free, key=lambda k: k[1])
+            dropped, _ = self._free[key].pop()
+            if not self._free[key]:
+                del self._free[key]
+            self.free_bytes -= dropped.numel()
 
-    def stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The side stream for copies to and from `device` (one per device, reused)."""
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device)
-        return self._streams[device]
+    def stream(self, device: torch.device, direction: str) -> torch.cuda.Stream:
+        """The side stream for copies "out" of or "in" to `device` (one each per device, reused)."""
+        key = (device, direction)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
 
 
 class HostCopy(Stored):
     def __init__(self, flat: torch.Tensor, ledger: Ledger, pool: HostPool):
-        super().__init__(flat)
+        super().__init__(flat, ledger)
         nbytes = flat.numel() * flat.element_size()
-        self.pool, self.buffer, self.loaded = pool, pool.take(nbytes), None
+        self.pool, self.pinned = pool, flat.is_cuda
+        self.buffer, previous = pool.take(nbytes, self.pinned)
         self.host = self.buffer[:nbytes].view(flat.dtype)
-        if flat.is_cuda:  # copy out on the side stream; the copy back waits for it
-            stream = pool.stream(flat.device)
+        self.copied = self.loaded = None  # events of the copy out and of the copy back
+        if flat.is_cuda:  # copy out on the side stream, after what made `flat` and what last read the buffer
+            stream = pool.stream(flat.device, "out")
             stream.wait_stream(torch.cuda.current_stream(flat.device))
+            if previous is not None:
+                stream.wait_event(previous)
             with torch.cuda.stream(stream):
                 self.host.copy_(flat, non_blocking=True)
-                flat.record_stream(stream)
+            flat.record_stream(stream)
             self.copied = stream.record_event()
+            ledger.in_flight(flat, self.copied)
+            ledger.wait_in_flight(pool.max_in_flight_bytes)
         else:
             self.host.copy_(flat)
         ledger.record(self.host, "host")
@@ -120,22 +157,29 @@ class HostCopy(Stored):
     def _load(self) -> torch.Tensor:
         if self.device.type != "cuda":
             return self.host.clone()
-        stream = self.pool.stream(self.device)
+        # Allocated on the compute stream, where it is read and freed: a tensor allocated on a side
+        # stream would keep its own pool there. The copy waits for the compute kernels queued
+        # before (they may still use that memory) and for the copy out.
+        current = torch.cuda.current_stream(self.device)
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        stream = self.pool.stream(self.device, "in")
+        stream.wait_stream(current)
         stream.wait_event(self.copied)
         with torch.cuda.stream(stream):
-            flat = self.host.to(self.device, non_blocking=True)
+            flat.copy_(self.host, non_blocking=True)
+        flat.record_stream(stream)
         self.loaded = stream.record_event()
         return flat
 
     def _ready(self, flat: torch.Tensor) -> None:
-        if self.loaded is not None:  # made on the side stream, read on the current one
+        if self.loaded is not None:  # written on the side stream, read on the current one
             current = torch.cuda.current_stream(self.device)
             current.wait_event(self.loaded)
             flat.record_stream(current)
 
     def _release(self) -> None:
-        if self.buffer is not None:
-            self.pool.give(self.buffer, self.loaded)
+        if self.buffer is not None:  # the copy back waited for the copy out: its event is the last
+            self.pool.give(self.buffer, self.pinned, self.loaded if self.loaded is not None else self.copied)
         self.buffer = self.host = None
 
     def __del__(self) -> None:
@@ -144,7 +188,7 @@ class HostCopy(Stored):
 
 class Quantized(Stored):
     def __init__(self, flat: torch.Tensor, ledger: Ledger, block_size: int, fmt: str):
-        super().__init__(flat)
+        super().__init__(flat, ledger)
         self.q = kernels.quantize(flat, block_size, fmt)
         ledger.record(self.q.payload)
         ledger.record(self.q.scales)
