@@ -20,9 +20,23 @@ def model_cost(model: nn.Module, hardware: HardwareSpec | str = "cpu") -> CostMo
     """The analytic cost model of a supported HF model on `hardware` (a preset name or a spec,
     e.g. a recipe's `hardware`), in the model's dtype and attention kernel."""
     adapter = Adapter(model)
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[next(adapter.model.parameters()).dtype]
-    dims = ModelDims.from_hf_config(adapter.config, dtype=dtype, attention=adapter.config._attn_implementation)
+    weight = next(adapter.model.parameters())
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[weight.dtype]
+    dims = ModelDims.from_hf_config(adapter.config, dtype=dtype, attention=_attention_kernel(adapter, weight))
     return CostModel.from_config(dims, hardware)
+
+
+def _attention_kernel(adapter: Adapter, weight: torch.Tensor) -> str:
+    """The attention the model really runs, as the cost model names it. On CUDA, torch dispatches
+    FP32 SDPA with grouped-query attention (transformers passes `enable_gqa`) to its math kernel,
+    not a fused one (flash and cuDNN take half precision only): it keeps the (L x L) probabilities,
+    a scaled q and the repeated k and v, the bytes eager attention keeps (seen on an H200 with
+    torch 2.11; benchmarks/gpu_check.py checks it)."""
+    config, kind = adapter.config, adapter.config._attn_implementation
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if kind == "sdpa" and weight.is_cuda and weight.dtype == torch.float32 and kv_heads != heads:
+        return "eager"
+    return kind
 
 
 def find_conflicts(plan: Mapping, model: nn.Module | CostModel) -> list[Conflict]:
