@@ -192,12 +192,13 @@ def profile(
     return _fit(samples, adapter, hw, ep_size)
 
 
-def _forward(model, ids):
-    return model(input_ids=ids, labels=ids).loss
+def _forward(model, ids, labels):
+    return model(input_ids=ids, labels=labels).loss
 
 
 def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, ids: torch.Tensor, repeats: int):
     batch, seq_len = ids.shape
+    labels = ids.clone()  # their own storage, as data collators make them: the loss's region holds them
     # memory: one pass, recording every saved storage with its savers and its maker
     provenance = _Provenance(tracker)
     ledger = Ledger.for_model(model, current_op=lambda: tracker.current, source=provenance.source)
@@ -223,6 +224,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
                 takers.setdefault(_ptr(t), []).append(op)
 
     hooks = [layer.module.register_forward_pre_hook(layer_arguments(layer.index), with_kwargs=True) for layer in adapter.layers]
+    hooks.append(model.register_forward_pre_hook(lambda *_: receive(OpId(adapter.head_index, "loss"), labels)))
     for op, module in _alone(adapter):
         if module is None:  # an expert op: its arguments pass through the experts' runner
             setattr(adapter.layers[op.layer].experts, RUNNER_ATTR, _receiving(op.layer, receive))
@@ -230,7 +232,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
             hooks.append(module.register_forward_pre_hook(lambda _m, args, kwargs, op=op: receive(op, (args, kwargs)), with_kwargs=True))
     try:
         with ledger.track(), provenance:
-            loss = _forward(model, ids)
+            loss = _forward(model, ids, labels)
         records = ledger.records()
         routed = monitor.local_pairs()
         loss.backward()
@@ -249,7 +251,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     for _ in range(repeats):
         clock = _ForwardClock(tracker)
         try:
-            loss = _forward(model, ids)
+            loss = _forward(model, ids, labels)
             clock.stop()
         finally:
             tracker.listeners.remove(clock._enter)
@@ -259,7 +261,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
         order = clock.order
         seconds: dict[OpId, float] = {}
         with _Provenance(tracker, seconds):
-            loss = _forward(model, ids)
+            loss = _forward(model, ids, labels)
         loss.backward()
         del loss
         backward.append(seconds)
@@ -386,15 +388,16 @@ def measure_micro_batch(
         if skew is not None:
             stack.enter_context(RoutingSkew(adapter, skew, ep_size=ep_size, ep_rank=ep_rank))
         ledger = Ledger.for_model(model)
+        labels = input_ids.clone()
         with ledger.track():
-            loss = _forward(model, input_ids)
+            loss = _forward(model, input_ids, labels)
         saved, routed = ledger.live_device_bytes, monitor.local_pairs()
         loss.backward()
         del loss
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
-            _forward(model, input_ids).backward()
+            _forward(model, input_ids, labels).backward()
             seconds.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     return saved, routed, sorted(seconds)[len(seconds) // 2] if seconds else 0.0
