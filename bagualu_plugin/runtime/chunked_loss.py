@@ -44,20 +44,23 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if ctx.needs_input_grad[2] else None
-        for start in range(0, hidden.shape[0], ctx.chunk):
+        for start in range(0, hidden.shape[0], ctx.chunk):  # in place: one FP32 chunk of logits at a time
             rows = slice(start, start + ctx.chunk)
             h, t = hidden[rows], targets[rows]
             kept = t != ctx.ignore_index
-            logits = nn.functional.linear(h, weight, bias).float()
-            grad = torch.exp(logits - lse[rows].unsqueeze(1))
+            grad = nn.functional.linear(h, weight, bias).float()
+            grad.sub_(lse[rows].unsqueeze(1)).exp_()  # softmax
             grad.scatter_add_(1, torch.where(kept, t, 0).unsqueeze(1), torch.full_like(grad[:, :1], -1.0))
-            grad = (grad * torch.where(kept, scale, 0.0).unsqueeze(1)).to(hidden.dtype)  # as HF casts it back
+            grad.mul_(torch.where(kept, scale, 0.0).unsqueeze(1))
+            rounded = grad.to(hidden.dtype)  # as HF casts the logits' gradient back to the model dtype
             if grad_hidden is not None:
-                grad_hidden[rows] = grad @ weight
+                grad_hidden[rows] = rounded @ weight
+            if grad_weight is not None or grad_bias is not None:
+                grad.copy_(rounded)
             if grad_weight is not None:
-                grad_weight += grad.T.float() @ h.float()
+                grad_weight.addmm_(grad.T, h.float())
             if grad_bias is not None:
-                grad_bias += grad.float().sum(0)
+                grad_bias += grad.sum(0)
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
