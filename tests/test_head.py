@@ -3,8 +3,10 @@ every strategy on every op), and the chunked linear + cross-entropy (`loss_chunk
 
 The chunked loss is not bitwise equal to HF's `ForCausalLMLoss`; its stated tolerance, relative:
 loss within 1e-6 (FP32 and BF16: the loss is FP32 in both), gradients (relative L2 error over all
-of them) within 1e-6 in FP32 and 2^-8 (one BF16 rounding) in BF16. Measured at most 2.1e-7 (FP32)
-and 6.2e-5 (BF16, weight gradient) below, and on the six tiny families through the runtime.
+of them) within 1e-6 in FP32 and 2^-8 (one BF16 rounding) in BF16, measured at most 2.1e-7 and
+6.0e-5 (the bias gradient). Through a BF16 model the logits' gradient, where one rounding differs,
+runs back through every layer's BF16 backward: 2^-7 there, measured at most 2.8e-3 (qwen3_moe);
+FP32 models stay under 1e-6 (measured 2.6e-7).
 """
 
 import pytest
@@ -21,9 +23,11 @@ from bagualu_plugin.costmodel import CostModel, ModelDims, OpId
 from bagualu_plugin.costmodel.mitigation import MitigationOptions
 from bagualu_plugin.runtime.chunked_loss import chunked_causal_lm_loss
 from bagualu_plugin.runtime.plan_runtime import apply_plan
+from bagualu_plugin.stage import Stage
 
 LOSS_TOLERANCE = 1e-6
 GRAD_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2**-8}
+MODEL_GRAD_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2**-7}
 IDS = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
 LABELS = IDS.clone()
 CHUNKED = MitigationOptions(loss_chunk_tokens=40)  # 96 tokens: two full chunks and a partial one
@@ -93,7 +97,7 @@ def test_chunked_loss_on_every_family_is_within_tolerance_and_predicted(family, 
         loss, grads, saved, logits = run(model, plan, CHUNKED)
         assert logits == (2, 0, model.config.vocab_size)
         assert ((loss - loss0).abs() / loss0).item() <= LOSS_TOLERANCE, plan
-        assert relative_error(grads, grads0) <= GRAD_TOLERANCE[dtype], plan
+        assert relative_error(grads, grads0) <= MODEL_GRAD_TOLERANCE[dtype], plan
         assert saved == cm.activation_bytes(96, seq_len=48, plan=plan, options=CHUNKED), plan
     # the chunked loss keeps one FP32 log-sum-exp per token instead of the FP32 log-probabilities
     assert keep - run(model, {}, CHUNKED)[2] == 96 * model.config.vocab_size * 4 - 96 * 4
@@ -132,7 +136,7 @@ def test_bad_loss_chunk_values_are_rejected():
             MitigationOptions(loss_chunk_tokens=bad)
     with pytest.raises(RecipeError, match="strategies.loss_chunk_tokens"):
         Recipe.from_dict(_recipe(loss_chunk_tokens=0))
-    assert Recipe.from_dict(_recipe(loss_chunk_tokens=4096)).strategies.loss_chunk_tokens == 4096
+    assert Stage.of(Recipe.from_dict(_recipe(loss_chunk_tokens=4096))).options.loss_chunk_tokens == 4096
     model = tiny_model("qwen3_moe")
     model.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
     try:
