@@ -139,12 +139,11 @@ def test_bad_loss_chunk_values_are_rejected():
     assert Stage.of(Recipe.from_dict(_recipe(loss_chunk_tokens=4096))).options.loss_chunk_tokens == 4096
     model = tiny_model("qwen3_moe")
     model.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
-    try:
-        with pytest.raises(ValueError, match="loss_chunk_tokens replaces transformers' ForCausalLMLoss"):
-            with apply_plan(model, {}, options=CHUNKED):
-                pass
-    finally:
-        del model._loss_function
+    with pytest.raises(ValueError, match="loss_chunk_tokens replaces transformers' ForCausalLMLoss"):
+        with apply_plan(model, {}, options=CHUNKED):
+            pass
+    assert not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in model.modules())
+    del model._loss_function
     profiled = bgl.profile(model, [32, 64, 128], repeats=1)
     with pytest.raises(ValueError, match="no tensors of the chunked loss"):
         profiled.activation_bytes(64, options=CHUNKED)

@@ -64,11 +64,13 @@ def install_loss_runner(adapter: Adapter, needed: Callable[[], bool], region: Re
         if hidden is None:
             return original(logits, labels, vocab_size, **kwargs)
         state["hidden"] = None
-        if chunk is not None:
-            forward = lambda h, y, **kw: chunked_causal_lm_loss(h, lm_head, y, chunk, **kw)  # noqa: E731
-        else:
-            forward = lambda h, y, **kw: original(lm_head(h), y, vocab_size, **kw)  # noqa: E731
-        return region(forward, (hidden, labels), kwargs)
+
+        def head_and_loss(h, y, **kw):
+            if chunk is not None:
+                return chunked_causal_lm_loss(h, lm_head, y, chunk, **kw)
+            return original(lm_head(h), y, vocab_size, **kw)
+
+        return region(head_and_loss, (hidden, labels), kwargs)
 
     had, previous = "_loss_function" in model.__dict__, model.__dict__.get("_loss_function")
     model.loss_function = loss_function

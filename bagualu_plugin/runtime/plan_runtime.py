@@ -87,6 +87,14 @@ class PlanRuntime:
 
     def install(self) -> PlanRuntime:
         a, stack = self.adapter, ExitStack()
+        head, lm_head = a.head_index, a.model.lm_head
+        install_loss_runner(  # first: it checks the model's loss function before installing anything
+            a,
+            lambda: self.options.loss_chunk_tokens is not None or (head, LOSS_OPS) in self._regions,
+            lambda forward, args, kwargs: self._run(lm_head, head, LOSS_OPS, forward, args, kwargs),
+            self.options.loss_chunk_tokens,
+            stack,
+        )
         stack.enter_context(bagualu_experts(a.config))
         if a.config.use_cache:  # a KV cache would be updated again by recomputation
             a.config.use_cache = False
@@ -98,14 +106,6 @@ class PlanRuntime:
                 module = unit_module(a, layer, unit)
                 if module is not None:  # expert ops and the loss have runners that run their regions
                     self._wrap(module, layer, unit, stack)
-        head, lm_head = a.head_index, a.model.lm_head
-        install_loss_runner(
-            a,
-            lambda: self.options.loss_chunk_tokens is not None or (head, LOSS_OPS) in self._regions,
-            lambda forward, args, kwargs: self._run(lm_head, head, LOSS_OPS, forward, args, kwargs),
-            self.options.loss_chunk_tokens,
-            stack,
-        )
         for part in a.layers:
             if part.experts is not None:
                 setattr(part.experts, RUNNER_ATTR, self._runner(part.index))
