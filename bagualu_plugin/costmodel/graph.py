@@ -46,8 +46,8 @@ def standard_units(kind: str, ops: tuple[str, ...], shared_alone: bool = True) -
     outputs only, nothing per routed pair), and each op that is a module or function of its own. The shared expert is alone only
     where the family has no glue around it (Qwen2-MoE scales it by a sigmoid gate in the MoE
     block's forward). Ops inside a span are recomputed alone through the span. The head's loss
-runs inside HF's CausalLM forward, so the runtime's loss runner (`runtime.head`) replays the LM
-head and the model's own loss function together."""
+    runs inside HF's CausalLM forward, so the runtime's loss runner (`runtime.head`) replays the
+    LM head and the model's own loss function together."""
     if kind == "embed":
         return (("embed",),)
     if kind == "head":

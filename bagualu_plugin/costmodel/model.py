@@ -239,7 +239,7 @@ class CostModel:
 
     def full_recompute(self) -> dict[OpId, str]:
         """Every op that can be recomputed, recomputed: a decoder layer then keeps only its input
-        (the paper's M0 plan), the LM head and loss only the final norm's output and the labels."""
+        (the paper's M0 plan), the head its input, the final norm's output and the labels."""
         return {
             OpId(i, name): "recompute"
             for i, b in self.blocks.items()

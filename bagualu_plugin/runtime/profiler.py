@@ -224,6 +224,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
                 takers.setdefault(_ptr(t), []).append(op)
 
     hooks = [layer.module.register_forward_pre_hook(layer_arguments(layer.index), with_kwargs=True) for layer in adapter.layers]
+    # the loss runner hands the labels to the loss's region, which holds them
     hooks.append(model.register_forward_pre_hook(lambda *_: receive(OpId(adapter.head_index, "loss"), labels)))
     for op, module in _alone(adapter):
         if module is None:  # an expert op: its arguments pass through the experts' runner
