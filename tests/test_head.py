@@ -9,6 +9,8 @@ runs back through every layer's BF16 backward: 2^-7 there, measured at most 2.8e
 FP32 models stay under 1e-6 (measured 2.6e-7).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 import yaml
@@ -144,9 +146,22 @@ def test_bad_loss_chunk_values_are_rejected():
             pass
     assert not any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in model.modules())
     del model._loss_function
-    profiled = bgl.profile(model, [32, 64, 128], repeats=1)
+    cm = model_cost(model)
+    head = cm.blocks[Adapter(model).head_index]
+    cm.blocks[Adapter(model).head_index] = replace(head, tensors=tuple(replace(t, chunked=None) for t in head.tensors))
     with pytest.raises(ValueError, match="no tensors of the chunked loss"):
-        profiled.activation_bytes(64, options=CHUNKED)
+        cm.activation_bytes(64, options=CHUNKED)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_profiled_model_predicts_the_chunked_loss(family):
+    model = tiny_model(family, dtype=torch.bfloat16)
+    cm = bgl.profile(model, [32, 64, 128], repeats=1)
+    head = Adapter(model).head_index
+    plans = [{}, {OpId(head, "loss"): "recompute"}, {OpId(head, "loss"): "offload"}, cm.full_recompute()]
+    for plan in plans:
+        for options in (MitigationOptions(), CHUNKED):
+            assert run(model, plan, options)[2] == cm.activation_bytes(96, seq_len=48, plan=plan, options=options), (plan, options)
 
 
 def _recipe(**strategies) -> dict:

@@ -152,7 +152,7 @@ def footprint(
     if chunked and not any(t.chunked for t in block.tensors):
         raise ValueError(
             "loss_chunk_tokens is set, but this head block has no tensors of the chunked loss "
-            "(a profiled cost model: it describes HF's loss only)"
+            "(a cost model saved before the chunked loss existed: build or profile it again)"
         )
     tensors = block.path_tensors(chunked)
     present = {t.name for t in tensors}

@@ -24,10 +24,11 @@ from ..adapters.experts import RUNNER_ATTR, set_expert_parallel
 from ..adapters.gate import GateMonitor, RoutingSkew
 from ..adapters.units import block_kind, block_units, unit_module
 from ..costmodel.fit import BlockSample, TensorSample, fit_block
-from ..costmodel.graph import INPUT, OpId, standard_spans, standard_units
+from ..costmodel.graph import INPUT, LOSS_OPS, OpId, standard_spans, standard_units
 from ..costmodel.linear import Load
 from ..costmodel.model import CostModel
 from ..hardware import HardwareSpec, preset
+from .chunked_loss import chunked_causal_lm_loss
 from .ledger import Ledger
 
 
@@ -223,7 +224,9 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
                 received[_ptr(t)] = t
                 takers.setdefault(_ptr(t), []).append(op)
 
+    final: list[torch.Tensor] = []  # the final norm's output, for the chunked loss's saves
     hooks = [layer.module.register_forward_pre_hook(layer_arguments(layer.index), with_kwargs=True) for layer in adapter.layers]
+    hooks.append(adapter.decoder.norm.register_forward_hook(lambda _m, _a, out: final.append(out)))
     # the loss runner hands the labels to the loss's region, which holds them
     hooks.append(model.register_forward_pre_hook(lambda *_: receive(OpId(adapter.head_index, "loss"), labels)))
     for op, module in _alone(adapter):
@@ -236,6 +239,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
             loss = _forward(model, ids, labels)
         records = ledger.records()
         routed = monitor.local_pairs()
+        chunked = _chunked_loss_saves(adapter, final[0].detach(), labels)
         loss.backward()
     finally:
         for h in hooks:
@@ -283,7 +287,8 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     def taken(layer: int, ptr: int) -> tuple[str, ...]:
         return tuple(dict.fromkeys(op.name for op in takers.get(ptr, ()) if op.layer == layer))
 
-    tensors: dict[int, list[TensorSample]] = {}
+    head = adapter.head_index
+    tensors: dict[int, list[TensorSample]] = {head: chunked}
     for r in records:
         op, ptr = r.op, r.key[1]
         savers = tuple(dict.fromkeys(s.name for s in r.savers if s.layer == op.layer))
@@ -291,6 +296,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
             TensorSample(
                 producer(r.source, op.layer, ptr) or op.name, savers, r.dtype.itemsize, r.dtype.is_floating_point,
                 r.nbytes, ptr in shared, receivers=taken(op.layer, ptr),
+                chunked=False if op.layer == head and set(savers) & set(LOSS_OPS) else None,
             )
         )
     saved = {r.key[1] for r in records}
@@ -326,6 +332,24 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
             {name: median(backward, OpId(index, name)) for name in ops},
         )
     return blocks
+
+
+def _chunked_loss_saves(adapter: Adapter, hidden: torch.Tensor, labels: torch.Tensor) -> list[TensorSample]:
+    """What the chunked loss (`MitigationOptions.loss_chunk_tokens`) saves instead of the LM head
+    and HF's loss, as the loss runner runs it in the loss's scope: the final norm's output, the
+    targets, one log-sum-exp per token and the divisor, whatever the chunk size."""
+    ledger = Ledger.for_model(adapter.model, current_op=lambda: OpId(adapter.head_index, "loss"))
+    with ledger.track():
+        loss = chunked_causal_lm_loss(hidden, adapter.model.lm_head, labels, hidden.shape[1])
+        records = ledger.records()
+    del loss
+    return [
+        TensorSample(
+            INPUT if r.key[1] == _ptr(hidden) else "loss", ("loss",), r.dtype.itemsize, r.dtype.is_floating_point, r.nbytes,
+            chunked=True,
+        )
+        for r in records
+    ]
 
 
 def _alone(adapter: Adapter) -> list[tuple[OpId, torch.nn.Module | None]]:
