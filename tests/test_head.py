@@ -105,13 +105,16 @@ def test_chunked_loss_on_every_family_is_within_tolerance_and_predicted(family, 
     assert keep - run(model, {}, CHUNKED)[2] == 96 * model.config.vocab_size * 4 - 96 * 4
 
 
-def test_without_labels_the_forward_is_hf_s_own():
+def test_without_labels_or_gradients_the_forward_is_hf_s_own():
     model = tiny_model("mixtral")
     head = Adapter(model).head_index
     with torch.no_grad():
-        reference = model(input_ids=IDS).logits
-        with apply_plan(model, {OpId(head, "loss"): "recompute"}, options=CHUNKED):
-            assert torch.equal(model(input_ids=IDS).logits, reference)
+        reference = model(input_ids=IDS, labels=LABELS)
+    with apply_plan(model, {OpId(head, "loss"): "recompute"}, options=CHUNKED):
+        assert torch.equal(model(input_ids=IDS).logits, reference.logits)
+        with torch.no_grad():
+            evaluated = model(input_ids=IDS, labels=LABELS)
+    assert torch.equal(evaluated.logits, reference.logits) and torch.equal(evaluated.loss, reference.loss)
 
 
 def test_cost_model_prices_the_head_s_loss_region():

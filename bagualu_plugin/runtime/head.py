@@ -8,7 +8,8 @@ index, so HF's forward projects no position; the final norm's output is taken as
 norm, and the model's `loss_function` is replaced by one that runs
 `loss_function(lm_head(hidden), labels, ...)` (or the chunked loss) through the runtime's
 recompute region. The returned `logits` are then empty (batch x 0 x vocabulary), as with
-Liger-Kernel's fused loss: train on `.loss`; without labels the forward is HF's own.
+Liger-Kernel's fused loss: train on `.loss`. Without labels, or without gradients (evaluation,
+which saves nothing to mitigate), the forward is HF's own.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def install_loss_runner(adapter: Adapter, needed: Callable[[], bool], region: Re
     def arm(_module, args, kwargs):
         state["armed"], state["hidden"] = False, None
         given = signature.bind_partial(*args, **kwargs).arguments
-        if given.get("labels") is None or not needed():
+        if given.get("labels") is None or not torch.is_grad_enabled() or not needed():
             return None
         if "logits_to_keep" in given:
             raise ValueError(
