@@ -11,7 +11,7 @@ The chunked loss (`loss_chunk_tokens=40`) runs kept and everything recomputed; i
 relative loss and gradient differences to HF's loss are reported. The saved bytes the Ledger
 counts are compared with the analytic cost model's prediction for every plan.
 
-    python benchmarks/mitigation_exactness.py   (about 3 min on 2 idle cores)
+    python benchmarks/mitigation_exactness.py   (about 30 s on 2 cores)
 """
 
 from __future__ import annotations
