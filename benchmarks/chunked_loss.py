@@ -9,7 +9,7 @@ one's allocations cannot hide in the other's peak: on CUDA the peak is
 (`ru_maxrss`) over forward and backward. The loss and gradient differences are relative (the
 gradients' L2 error over the hidden states and the weight).
 
-    python benchmarks/chunked_loss.py   (about 40 s on 2 CPU cores)
+    python benchmarks/chunked_loss.py   (about 30 s on 2 CPU cores)
 """
 
 from __future__ import annotations
