@@ -102,6 +102,9 @@ class Strategies(_Section):
     allowed: list[_Mitigation] = Field(default_factory=lambda: ["recompute", "offload", "fp8"])
     fp8: FP8Options = FP8Options()
     offload: OffloadOptions = OffloadOptions()
+    loss_chunk_tokens: int | None = Field(
+        default=None, gt=0, description="LM head + loss in chunks of this many tokens (no full logits); None: HF's loss"
+    )
 
     @field_validator("allowed")
     @classmethod

@@ -67,7 +67,9 @@ class Stage:
     @property
     def options(self) -> MitigationOptions:
         s = self.recipe.strategies
-        return MitigationOptions(fp8_block_size=s.fp8.block_size, offload_min_bytes=s.offload.min_bytes)
+        return MitigationOptions(
+            fp8_block_size=s.fp8.block_size, offload_min_bytes=s.offload.min_bytes, loss_chunk_tokens=s.loss_chunk_tokens
+        )
 
     def micro_batch(self, imbalance: float = 1.0, plan: Mapping[OpId, str] | None = None) -> MicroBatchCost:
         """One micro-batch whose MoE layers receive `imbalance` x the balanced routed pairs."""

@@ -337,9 +337,9 @@ def test_full_recompute_keeps_one_block_input_per_layer():
     cm = CostModel.from_config(dims, preset("cpu"))
     m0 = cm.activation_bytes(100, plan=cm.full_recompute())
     # every decoder layer holds its input (T x H bf16); the embedding nothing; the head's final
-    # norm and LM head hold their inputs (two T x H bf16) and the loss its FP32 log-probabilities
-    # (T x vocab) and int64 targets: HF computes the loss outside any module
-    head = 2 * 100 * 64 * 2 + 100 * 128 * 4 + 100 * 8 + 4
+    # norm holds its input and the LM head with the loss (the loss runner) the final norm's
+    # output (two T x H bf16) and the int64 labels
+    head = 2 * 100 * 64 * 2 + 100 * 8
     # the embedding's checkpoint holds the token ids; RoPE's cos/sin stay (shared by every
     # layer); the layers' checkpoints hold the position ids
     embed = 100 * 8 + 2 * 100 * 16 * 2 + 100 * 8

@@ -35,13 +35,14 @@ from bagualu_plugin.adapters.units import block_spans, block_units
 from bagualu_plugin.runtime.plan_runtime import PlanRuntime, apply_plan
 
 IDS = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
+LABELS = IDS.clone()  # as data collators make them: a region recomputing the loss holds its own
 TOKENS, SEQ = 96, 48
 
 
 def run(model, plan=None, options=MitigationOptions()):
     model.zero_grad(set_to_none=True)
     with apply_plan(model, plan or {}, options=options) as ledger:
-        loss = model(input_ids=IDS, labels=IDS).loss
+        loss = model(input_ids=IDS, labels=LABELS).loss
         saved = ledger.live_device_bytes
     loss.backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -111,6 +112,7 @@ def test_all_ops_at_once(case):
     loss, grads, saved = run(model, Plan.uniform(ops, "fp8"), MitigationOptions(quant_format="int8"))
     assert relative_error(grads, grads0) <= 0.025
     full = cm.full_recompute()
+    assert full == Plan.uniform(ops, "recompute")  # every op, the LM head's loss included
     loss, grads, saved = run(model, full)
     assert torch.equal(loss, loss0) and all(torch.equal(g, r) for g, r in zip(grads, grads0))
     assert saved == cm.activation_bytes(TOKENS, seq_len=SEQ, plan=full)
@@ -205,7 +207,7 @@ def test_conflicts_of_section_5a_are_found_on_real_models():
 def _clean(model) -> bool:
     return (
         not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
-        and not any("forward" in m.__dict__ or "expert_op_runner" in m.__dict__ for m in model.modules())
+        and not any(name in m.__dict__ for m in model.modules() for name in ("forward", "expert_op_runner", "_loss_function"))
         and model.config._experts_implementation == "grouped_mm"
     )
 
@@ -213,20 +215,22 @@ def _clean(model) -> bool:
 def test_nothing_is_left_behind_also_when_the_body_raises():
     model = tiny_model("qwen2_moe")
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    plan = {OpId(1, "expert_act"): "recompute", OpId(2, "attn_norm"): "offload", OpId(1, "router"): "fp8"}
+    plan = {
+        OpId(1, "expert_act"): "recompute", OpId(2, "attn_norm"): "offload", OpId(1, "router"): "fp8", OpId(3, "loss"): "recompute"
+    }
     with apply_plan(model, plan) as ledger:
-        model(input_ids=IDS, labels=IDS).loss.backward()
+        model(input_ids=IDS, labels=LABELS).loss.backward()
     assert _clean(model) and ledger.live_device_bytes == 0 and ledger.live_host_bytes == 0
     with pytest.raises(RuntimeError, match="boom"):
-        with apply_plan(model, plan):
-            model(input_ids=IDS, labels=IDS)
+        with apply_plan(model, plan, options=MitigationOptions(loss_chunk_tokens=32)):
+            model(input_ids=IDS, labels=LABELS)
             raise RuntimeError("boom")
     assert _clean(model)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     # no saved-tensor hooks remain: a plain forward saves what it always saved
     probe = Ledger.for_model(model)
     with probe.track():
-        loss = model(input_ids=IDS, labels=IDS).loss
+        loss = model(input_ids=IDS, labels=LABELS).loss
     assert probe.live_device_bytes == run(model)[2]
     del loss
 
@@ -236,9 +240,11 @@ def test_bad_plans_are_rejected_before_anything_is_installed():
     with pytest.raises(KeyError, match="9.router"):
         with apply_plan(model, {OpId(9, "router"): "offload"}):
             pass
-    with pytest.raises(ValueError, match="\\['loss'\\] cannot be recomputed alone; recompute units: none"):
-        with apply_plan(model, {OpId(3, "loss"): "recompute"}):  # glue after the LM head
-            pass
+    with pytest.raises(ValueError, match="logits_to_keep was passed with labels"):
+        with apply_plan(model, {OpId(3, "loss"): "recompute"}):  # the loss runner decides which logits to make
+            model(input_ids=IDS, labels=LABELS, logits_to_keep=1)
+    with pytest.raises(ValueError, match="loss_chunk_tokens must be a positive integer or None, got 0"):
+        MitigationOptions(loss_chunk_tokens=0)
     with pytest.raises(ValueError, match="1.router.*'zip'"):
         Plan({"1.router": "zip"})
     assert _clean(model)

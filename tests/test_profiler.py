@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import bagualu_plugin as bgl
-from bagualu_plugin.adapters import FAMILIES, UnsupportedModelError, save_tiny, tiny_model
+from bagualu_plugin.adapters import FAMILIES, Adapter, UnsupportedModelError, save_tiny, tiny_model
 from bagualu_plugin.costmodel import CostModel, LinearForm, Load, ModelDims, OpId
 from bagualu_plugin.costmodel.fit import BlockSample, TensorSample, fit_block, fit_linear
 from bagualu_plugin.runtime.plan_runtime import apply_plan
@@ -95,19 +95,20 @@ def test_profile_predicts_ops_recomputed_through_their_spans():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_profile_predicts_every_op_recomputed_alone(family, dtype):
     """A region holds what its op receives, saved by another op or not (the input ids, a norm's
-    input it casts before saving, the routing weights expert_fc2 gathers): exact to the byte."""
+    input it casts before saving, the routing weights expert_fc2 gathers, the loss's labels):
+    exact to the byte; also the LM head and loss recomputed together, and everything."""
     model = tiny_model(family, dtype=dtype)
     cm = bgl.profile(model, [32, 64, 128], repeats=1)
     ids = _ids(2, 48)
-    for op in bgl.list_ops(model):
-        if op.name == "loss":  # glue after the LM head: no recompute unit
-            continue
-        plan = {op: "recompute"}
+    head = Adapter(model).head_index
+    plans = [{op: "recompute"} for op in bgl.list_ops(model)]
+    plans += [{OpId(head, "lm_head"): "recompute", OpId(head, "loss"): "recompute"}, cm.full_recompute()]
+    for plan in plans:
         with apply_plan(model, plan) as ledger:
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids.clone()).loss
             saved = ledger.live_device_bytes
         loss.backward()
-        assert saved == cm.activation_bytes(96, seq_len=48, plan=plan), op
+        assert saved == cm.activation_bytes(96, seq_len=48, plan=plan), plan
 
 
 def test_profile_round_trips_through_json(qwen3_profile, tmp_path):

@@ -5,6 +5,10 @@ before it. The "bagualu" experts implementation refines the experts into fc1 / a
 
 Attention's core begins after its last projection, so RoPE belongs to attn_core: attn_qkv makes
 q, k, v; attn_core rotates them and runs the kernel; attn_out is the output projection.
+
+The loss begins after the LM head's forward. Under the loss runner (`runtime.head`) HF's forward
+runs the LM head on no position, and the runner runs it again on the final norm's output inside
+the loss function (the chunked loss does not call it: its saves are the loss's).
 """
 
 from __future__ import annotations

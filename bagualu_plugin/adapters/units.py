@@ -11,11 +11,11 @@ from .adapter import Adapter
 
 def unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Module | None:
     """The module whose forward runs `unit` (a recompute unit or a span); None for the expert ops
-    (run by the runner)."""
+    (run by the experts' runner) and the LM head with the loss (run by the loss runner)."""
     if layer == -1:
         return adapter.decoder.embed_tokens
     if layer == adapter.head_index:
-        return adapter.decoder.norm if unit == ("final_norm",) else adapter.model.lm_head
+        return {("final_norm",): adapter.decoder.norm, ("lm_head",): adapter.model.lm_head}.get(unit)
     part = adapter.layers[layer]
     if set(unit) == set(adapter.layer_ops(part)):
         return part.module

@@ -14,6 +14,8 @@ attention, norms and dense MLPs is divided by tp; experts are split by expert pa
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..hardware import HardwareSpec
 from .dims import DTYPE_BYTES, ModelDims, Parallel, attention_params
 from .graph import INPUT, BlockGraph, OpSpec, TensorSpec, standard_spans, standard_units
@@ -348,7 +350,10 @@ def embedding(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
 
 def lm_head(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
     """Final norm, vocabulary projection (vocab-parallel over tp) and cross-entropy, which keeps
-    the FP32 log-probabilities and the targets."""
+    the FP32 log-probabilities and the targets; recomputing the loss holds the labels instead.
+    The chunked loss (`MitigationOptions.loss_chunk_tokens`, `runtime.chunked_loss`) keeps the
+    final norm's output, the targets and one FP32 log-sum-exp per token instead of the
+    log-probabilities (the paths' tensors are marked `TensorSpec.chunked`)."""
     blk = _Block("head", dims, par, hw)
     h, v = dims.hidden_size, dims.vocab_size
     blk.tensor("x", INPUT, blk.tok(h), blk.b)
@@ -356,9 +361,14 @@ def lm_head(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
     blk.save("lm_head", "final_norm.out")
     blk.tensor("logits", "lm_head", blk.tok(v), blk.b)
     blk.op("lm_head", ("final_norm.out",), blk.tok(2 * h * v), LinearForm(const=h * v * blk.b / par.tp) + blk.tok((h + v) * blk.b), kernels=2)
+    blk.tensor("labels", INPUT, LinearForm(per_token=1), _I64, floating=False)  # the caller's, as collators copy them
     blk.save("loss", blk.tensor("loss.logprobs", "loss", blk.tok(v), _F32))
     blk.save("loss", blk.tensor("loss.targets", "loss", LinearForm(per_token=1), _I64, floating=False))
     blk.save("loss", blk.tensor("loss.divisor", "loss", LinearForm(const=1), _F32))  # the mean's token count
-    blk.op("loss", ("logits",), blk.tok(5 * v), blk.tok(v * (blk.b + 3 * _F32)), kernels=6)
+    blk.save("loss", blk.tensor("loss.hidden", "final_norm", blk.tok(h), blk.b))  # final_norm.out, read by the chunks
+    blk.save("loss", blk.tensor("loss.lse", "loss", LinearForm(per_token=1), _F32))
+    blk.op("loss", ("logits", "labels", "loss.hidden"), blk.tok(5 * v), blk.tok(v * (blk.b + 3 * _F32)), kernels=6)
     blk.dense_params += h + v * h // par.tp
-    return blk.build()
+    paths = {"final_norm.out": False, "loss.logprobs": False, "loss.hidden": True, "loss.lse": True}
+    block = blk.build()
+    return replace(block, tensors=tuple(replace(t, chunked=paths.get(t.name)) for t in block.tensors))

@@ -66,6 +66,7 @@ class TensorSample:
     shared: bool = False  # handed to every layer as an argument (RoPE tables, masks)
     held_by: tuple[int, ...] = ()  # a layer argument nothing saves: held by these layers' regions
     receivers: tuple[str, ...] = ()  # ops recomputed alone that take it as an argument (and hold it)
+    chunked: bool | None = None  # saved on one path of the head's loss only (`TensorSpec.chunked`)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,8 @@ def _align(samples: Sequence[BlockSample]) -> list[list[TensorSample]]:
     groups: dict[tuple, list[list[TensorSample]]] = {}
     for r, s in enumerate(samples):
         for t in s.tensors:
-            runs = groups.setdefault((t.savers, t.itemsize, t.floating, t.shared, t.held_by, t.receivers), [[] for _ in samples])
+            key = (t.savers, t.itemsize, t.floating, t.shared, t.held_by, t.receivers, t.chunked)
+            runs = groups.setdefault(key, [[] for _ in samples])
             runs[r].append(t)
     columns = []
     for key, runs in groups.items():
@@ -175,7 +177,7 @@ def fit_block(
         form = _snap(fit_linear(loads, elements, memory_basis(op, routed_independent)))
         if max_residual(form, loads, elements) > 0.5:
             raise ValueError(f"{first.kind} block: saved tensor {i} of {op} is not linear in the load: {elements}")
-        tensors.append(TensorSpec(f"{op}.{i}", t.producer, t.savers, form, t.itemsize, t.floating, t.shared, t.held_by))
+        tensors.append(TensorSpec(f"{op}.{i}", t.producer, t.savers, form, t.itemsize, t.floating, t.shared, t.held_by, t.chunked))
 
     def inputs(op: str) -> tuple[str, ...]:
         """What an op reads, as far as memory is concerned (what a recompute region holds): the

@@ -36,6 +36,7 @@ BlockKind = Literal["embed", "dense", "moe", "head"]
 ATTENTION_OPS = ("attn_qkv", "attn_core", "attn_out")
 MOE_OPS = ("router", "expert_fc1", "expert_act", "expert_fc2", "shared_expert")
 EXPERT_OPS = ("expert_fc1", "expert_act", "expert_fc2")
+LOSS_OPS = ("lm_head", "loss")  # the head's loss runner replays both: HF's lm_head, then the model's loss
 
 
 def standard_units(kind: str, ops: tuple[str, ...], shared_alone: bool = True) -> tuple[tuple[str, ...], ...]:
@@ -44,11 +45,13 @@ def standard_units(kind: str, ops: tuple[str, ...], shared_alone: bool = True) -
     whole, the routed experts as a whole (what the gate escalates: the region holds the router's
     outputs only, nothing per routed pair), and each op that is a module or function of its own. The shared expert is alone only
     where the family has no glue around it (Qwen2-MoE scales it by a sigmoid gate in the MoE
-    block's forward). Ops inside a span are recomputed alone through the span."""
+    block's forward). Ops inside a span are recomputed alone through the span. The head's loss
+    runs inside HF's CausalLM forward, so the runtime's loss runner (`runtime.head`) replays the
+    LM head and the model's own loss function together."""
     if kind == "embed":
         return (("embed",),)
     if kind == "head":
-        return (("final_norm",), ("lm_head",))
+        return (("final_norm",), ("lm_head",), LOSS_OPS)
     alone = {"attn_norm", "mlp_norm", "router", "expert_fc1", "expert_act", "expert_fc2", "dense_mlp"}
     if shared_alone:
         alone.add("shared_expert")
@@ -63,7 +66,10 @@ def standard_spans(kind: str, ops: tuple[str, ...]) -> tuple[tuple[str, ...], ..
     attn_qkv, attn_core or attn_out (RoPE and the kernel sit inside the attention forward), nor
     Qwen2-MoE's gated shared expert, and re-implementing those forwards per family would copy HF
     code that changes with every release. So the runtime replays the span's module and drops only
-    the subset's saves: the region holds the span's inputs, as recomputing the whole span does."""
+    the subset's saves: the region holds the span's inputs, as recomputing the whole span does.
+    The loss alone is recomputed so too, through the head's loss runner."""
+    if kind == "head":
+        return (LOSS_OPS,)
     if kind not in ("dense", "moe"):
         return ()
     spans = (tuple(o for o in ops if o in ATTENTION_OPS), tuple(o for o in ops if o in MOE_OPS))
@@ -97,6 +103,8 @@ class TensorSpec:
     shared: bool = False  # handed to every layer (RoPE tables): kept as it is, whatever the plan
     held_by: tuple[int, ...] = ()  # a layer argument nothing saves (position ids, masks): held only
     # by recompute regions of these layers that take it (attention, the whole layer)
+    chunked: bool | None = None  # the head's loss path it belongs to: True only with the chunked
+    # loss (`MitigationOptions.loss_chunk_tokens`), False only without; None both
 
     def bytes(self, load: Load) -> float:
         return self.elements.at(load) * self.dtype_bytes
@@ -149,6 +157,10 @@ class BlockGraph:
             if op.name == name:
                 return op
         raise KeyError(f"no op {name!r} in a {self.kind} block; it has {[o.name for o in self.ops]}")
+
+    def path_tensors(self, chunked: bool = False) -> tuple[TensorSpec, ...]:
+        """The tensors of one path of the head's loss: HF's, or the chunked one."""
+        return tuple(t for t in self.tensors if t.chunked in (None, chunked))
 
     @property
     def op_names(self) -> tuple[str, ...]:

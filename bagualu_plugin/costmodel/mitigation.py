@@ -14,6 +14,10 @@ Strategies act on the tensors an operator saves for backward:
 - fp8: the saver holds an e4m3 copy with one FP32 scale per block, cast in forward and back in
   backward; integer tensors stay as they are.
 
+With `loss_chunk_tokens` the head's LM head and loss run as one chunked linear + cross-entropy:
+the head's tensors are those of that path (`TensorSpec.chunked`), and backward replays the LM
+head's forward, chunk by chunk, to rebuild the logits it never kept.
+
 Memory is counted per storage, as the runtime keeps it: one form per storage. If any holder keeps it
 at full precision on the device, that copy serves every holder, and offload or FP8 requested by
 another holder buys nothing (the conflicts of §V-A: such a candidate saves no memory); otherwise
@@ -41,6 +45,12 @@ class MitigationOptions:
     fp8_block_size: int = 128
     offload_min_bytes: int = 0
     quant_format: str = "fp8_e4m3"  # or "int8": same bytes, one byte per element plus block scales
+    loss_chunk_tokens: int | None = None  # LM head + loss in chunks of this many tokens; None: HF's loss
+
+    def __post_init__(self) -> None:
+        chunk = self.loss_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
+            raise ValueError(f"loss_chunk_tokens must be a positive integer or None, got {chunk!r}")
 
 
 @dataclass(frozen=True)
@@ -138,22 +148,32 @@ def footprint(
     bad = {s for s in plan.values() if s not in STRATEGIES}
     if bad:
         raise ValueError(f"unknown strategies {sorted(bad)}; expected one of {STRATEGIES}")
+    chunked = block.kind == "head" and options.loss_chunk_tokens is not None
+    if chunked and not any(t.chunked for t in block.tensors):
+        raise ValueError(
+            "loss_chunk_tokens is set, but this head block has no tensors of the chunked loss "
+            "(a cost model saved before the chunked loss existed: build or profile it again)"
+        )
+    tensors = block.path_tensors(chunked)
+    present = {t.name for t in tensors}
 
     region_of: dict[str, frozenset[str]] = {}  # a recomputed op -> the ops its region replays
     held: set[str] = set()  # tensors a checkpoint region keeps as its input
     replay = 0.0
-    produced_by = {t.name: t.producer for t in block.tensors}
+    produced_by = {t.name: t.producer for t in tensors}
     for region in recompute_regions(block, plan):
         members = frozenset(region.ops)
         for name in region.dropped:
             region_of[name] = members
-        inputs = {t for op in block.ops if op.name in members for t in op.inputs}
+        inputs = {t for op in block.ops if op.name in members for t in op.inputs if t in present}
         held |= {t for t in inputs if produced_by[t] not in members}
         replay += sum(op.forward_s.at(load) for op in block.ops if op.name in members)
 
     copy, cast = offload_copy(hw), cast_kernel(hw)
     device = host = fwd = bwd = 0.0
-    for t in block.tensors:
+    if chunked:
+        bwd += block.op("lm_head").forward_s.at(load)
+    for t in tensors:
         if t.held_by:  # counted by the model: whether a region holds it is decided in other blocks
             continue
         size = t.bytes(load)

@@ -209,7 +209,7 @@ class CostModel:
         loads, rows = self.loads(tokens, routed, seq_len), []
         for i, block in self.blocks.items():
             charged = dict.fromkeys(block.op_names, 0.0)
-            for t in block.tensors:
+            for t in block.path_tensors():
                 owner = block.owner(t)
                 if owner is not None:
                     charged[owner] += t.bytes(loads[i])
@@ -260,7 +260,7 @@ class CostModel:
 
     def full_recompute(self) -> dict[OpId, str]:
         """Every op that can be recomputed, recomputed: a decoder layer then keeps only its input
-        (the paper's M0 plan); the LM head's loss, glue code in HF models, keeps its tensors."""
+        (the paper's M0 plan), the head its input, the final norm's output and the labels."""
         return {
             OpId(i, name): "recompute"
             for i, b in self.blocks.items()

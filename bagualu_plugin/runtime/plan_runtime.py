@@ -9,7 +9,8 @@ model (paper §IV-B, §V-A; DESIGN.md section 4).
   covers alone (attention's three, Qwen2-MoE's gated shared expert) goes through its span
   (`standard_spans`): the attention module's or MoE block's forward under a checkpoint that takes
   only the recomputed ops' saves (`runtime.regions`). A region's inputs stay on the device, as
-  the cost model holds them.
+  the cost model holds them. The LM head and loss run through the loss runner (`runtime.head`),
+  also to realise `MitigationOptions.loss_chunk_tokens`.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from torch.utils.checkpoint import checkpoint
 from ..adapters import Adapter, OpTracker, is_inside_backward
 from ..adapters.experts import RUNNER_ATTR
 from ..adapters.units import block_spans, block_units, unit_module
+from ..costmodel.graph import LOSS_OPS
 from ..costmodel.mitigation import MitigationOptions, cover
 from ..costmodel.plan import Plan
+from .head import install_loss_runner
 from .hooks import SavedTensorHooks
 from .ledger import Ledger, _storage
 from .regions import SpanSaves, bagualu_experts, recompute, top_hooks
@@ -83,6 +86,14 @@ class PlanRuntime:
 
     def install(self) -> PlanRuntime:
         a, stack = self.adapter, ExitStack()
+        head, lm_head = a.head_index, a.model.lm_head
+        install_loss_runner(  # first: it checks the model's loss function before installing anything
+            a,
+            lambda: self.options.loss_chunk_tokens is not None or (head, LOSS_OPS) in self._regions,
+            lambda forward, args, kwargs: self._run(lm_head, head, LOSS_OPS, forward, args, kwargs),
+            self.options.loss_chunk_tokens,
+            stack,
+        )
         stack.enter_context(bagualu_experts(a.config))
         if a.config.use_cache:  # a KV cache would be updated again by recomputation
             a.config.use_cache = False
@@ -93,7 +104,7 @@ class PlanRuntime:
         for layer in [-1, *(part.index for part in a.layers), a.head_index]:
             for unit in dict.fromkeys((*block_units(a, layer), *block_spans(a, layer))):
                 module = unit_module(a, layer, unit)
-                if module is not None:  # expert ops have no module: the runner checkpoints them
+                if module is not None:  # expert ops and the loss have runners that run their regions
                     self._wrap(module, layer, unit, stack)
         for part in a.layers:
             if part.experts is not None:
@@ -110,22 +121,22 @@ class PlanRuntime:
         is planned before this one's backward)."""
         had, previous = "forward" in module.__dict__, module.__dict__.get("forward")
         forward = module.forward
-        config = self.adapter.config
+        module.forward = lambda *args, **kwargs: self._run(module, layer, unit, forward, args, kwargs)
+        stack.callback(lambda: setattr(module, "forward", previous) if had else delattr(module, "forward"))
+
+    def _run(self, module: nn.Module, layer: int, unit: tuple[str, ...], forward, args: tuple, kwargs: dict):
+        """`forward(*args, **kwargs)`, as a recompute region if the plan makes `unit` one now."""
+        region = self._regions.get((layer, unit))
+        if region is None or is_inside_backward():
+            return forward(*args, **kwargs)
 
         def dropped() -> bool:
             op = self.tracker.current
             return op is not None and op.layer == layer and op.name in self._regions.get((layer, unit), ())
 
-        def dispatch(*args, **kwargs):
-            region = self._regions.get((layer, unit))
-            if region is None or is_inside_backward():
-                return forward(*args, **kwargs)
-            saves = nullcontext if region == set(unit) else SpanSaves(dropped)
-            with self._holding():
-                return recompute(module, forward, config, args, kwargs, saves)
-
-        module.forward = dispatch
-        stack.callback(lambda: setattr(module, "forward", previous) if had else delattr(module, "forward"))
+        saves = nullcontext if region == set(unit) else SpanSaves(dropped)
+        with self._holding():
+            return recompute(module, forward, self.adapter.config, args, kwargs, saves)
 
     def _holding(self):
         """While the plan's hooks are in force, a region's inputs stay on the device as they are,

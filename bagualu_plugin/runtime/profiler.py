@@ -24,10 +24,11 @@ from ..adapters.experts import RUNNER_ATTR, set_expert_parallel
 from ..adapters.gate import GateMonitor, RoutingSkew
 from ..adapters.units import block_kind, block_units, unit_module
 from ..costmodel.fit import BlockSample, TensorSample, fit_block
-from ..costmodel.graph import INPUT, OpId, standard_spans, standard_units
+from ..costmodel.graph import INPUT, LOSS_OPS, OpId, standard_spans, standard_units
 from ..costmodel.linear import Load
 from ..costmodel.model import CostModel
 from ..hardware import HardwareSpec, preset
+from .chunked_loss import chunked_causal_lm_loss
 from .ledger import Ledger
 
 
@@ -192,12 +193,13 @@ def profile(
     return _fit(samples, adapter, hw, ep_size)
 
 
-def _forward(model, ids):
-    return model(input_ids=ids, labels=ids).loss
+def _forward(model, ids, labels):
+    return model(input_ids=ids, labels=labels).loss
 
 
 def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, ids: torch.Tensor, repeats: int):
     batch, seq_len = ids.shape
+    labels = ids.clone()  # their own storage, as data collators make them: the loss's region holds them
     # memory: one pass, recording every saved storage with its savers and its maker
     provenance = _Provenance(tracker)
     ledger = Ledger.for_model(model, current_op=lambda: tracker.current, source=provenance.source)
@@ -222,7 +224,11 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
                 received[_ptr(t)] = t
                 takers.setdefault(_ptr(t), []).append(op)
 
+    final: list[torch.Tensor] = []  # the final norm's output, for the chunked loss's saves
     hooks = [layer.module.register_forward_pre_hook(layer_arguments(layer.index), with_kwargs=True) for layer in adapter.layers]
+    hooks.append(adapter.decoder.norm.register_forward_hook(lambda _m, _a, out: final.append(out)))
+    # the loss runner hands the labels to the loss's region, which holds them
+    hooks.append(model.register_forward_pre_hook(lambda *_: receive(OpId(adapter.head_index, "loss"), labels)))
     for op, module in _alone(adapter):
         if module is None:  # an expert op: its arguments pass through the experts' runner
             setattr(adapter.layers[op.layer].experts, RUNNER_ATTR, _receiving(op.layer, receive))
@@ -230,9 +236,10 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
             hooks.append(module.register_forward_pre_hook(lambda _m, args, kwargs, op=op: receive(op, (args, kwargs)), with_kwargs=True))
     try:
         with ledger.track(), provenance:
-            loss = _forward(model, ids)
+            loss = _forward(model, ids, labels)
         records = ledger.records()
         routed = monitor.local_pairs()
+        chunked = _chunked_loss_saves(adapter, final[0].detach(), labels)
         loss.backward()
     finally:
         for h in hooks:
@@ -249,7 +256,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     for _ in range(repeats):
         clock = _ForwardClock(tracker)
         try:
-            loss = _forward(model, ids)
+            loss = _forward(model, ids, labels)
             clock.stop()
         finally:
             tracker.listeners.remove(clock._enter)
@@ -259,7 +266,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
         order = clock.order
         seconds: dict[OpId, float] = {}
         with _Provenance(tracker, seconds):
-            loss = _forward(model, ids)
+            loss = _forward(model, ids, labels)
         loss.backward()
         del loss
         backward.append(seconds)
@@ -280,7 +287,8 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     def taken(layer: int, ptr: int) -> tuple[str, ...]:
         return tuple(dict.fromkeys(op.name for op in takers.get(ptr, ()) if op.layer == layer))
 
-    tensors: dict[int, list[TensorSample]] = {}
+    head = adapter.head_index
+    tensors: dict[int, list[TensorSample]] = {head: chunked}
     for r in records:
         op, ptr = r.op, r.key[1]
         savers = tuple(dict.fromkeys(s.name for s in r.savers if s.layer == op.layer))
@@ -288,6 +296,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
             TensorSample(
                 producer(r.source, op.layer, ptr) or op.name, savers, r.dtype.itemsize, r.dtype.is_floating_point,
                 r.nbytes, ptr in shared, receivers=taken(op.layer, ptr),
+                chunked=False if op.layer == head and set(savers) & set(LOSS_OPS) else None,
             )
         )
     saved = {r.key[1] for r in records}
@@ -323,6 +332,24 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
             {name: median(backward, OpId(index, name)) for name in ops},
         )
     return blocks
+
+
+def _chunked_loss_saves(adapter: Adapter, hidden: torch.Tensor, labels: torch.Tensor) -> list[TensorSample]:
+    """What the chunked loss (`MitigationOptions.loss_chunk_tokens`) saves instead of the LM head
+    and HF's loss, as the loss runner runs it in the loss's scope: the final norm's output, the
+    targets, one log-sum-exp per token and the divisor, whatever the chunk size."""
+    ledger = Ledger.for_model(adapter.model, current_op=lambda: OpId(adapter.head_index, "loss"))
+    with ledger.track():
+        loss = chunked_causal_lm_loss(hidden, adapter.model.lm_head, labels, hidden.shape[1])
+        records = ledger.records()
+    del loss
+    return [
+        TensorSample(
+            INPUT if r.key[1] == _ptr(hidden) else "loss", ("loss",), r.dtype.itemsize, r.dtype.is_floating_point, r.nbytes,
+            chunked=True,
+        )
+        for r in records
+    ]
 
 
 def _alone(adapter: Adapter) -> list[tuple[OpId, torch.nn.Module | None]]:
@@ -386,15 +413,16 @@ def measure_micro_batch(
         if skew is not None:
             stack.enter_context(RoutingSkew(adapter, skew, ep_size=ep_size, ep_rank=ep_rank))
         ledger = Ledger.for_model(model)
+        labels = input_ids.clone()
         with ledger.track():
-            loss = _forward(model, input_ids)
+            loss = _forward(model, input_ids, labels)
         saved, routed = ledger.live_device_bytes, monitor.local_pairs()
         loss.backward()
         del loss
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
-            _forward(model, input_ids).backward()
+            _forward(model, input_ids, labels).backward()
             seconds.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
     return saved, routed, sorted(seconds)[len(seconds) // 2] if seconds else 0.0
