@@ -70,19 +70,24 @@ def test_algorithm_2_takes_the_largest_reduction_first():
     d = plan_micro_batch(cm, 1500, tokens=1)
     assert dict(d.plan) == {OpId(0, "c"): "recompute"} and d.activation_bytes == 1200 and d.steps == 1
     assert d.backward_extra_s == pytest.approx(1e-3)
-    # Re-evaluated on the new plan, the next largest is offloading a.
+    # Re-evaluated on the new plan: offloading a would free its 800 B only to need them back when
+    # its backward brings the copies back (room the budget holds): no reduction. FP8 of a keeps
+    # x and w as 100 one-byte codes and one 4-byte scale each: 1200 - 800 + 2 x 104 = 608 B.
     d = plan_micro_batch(cm, 1000, tokens=1)
-    assert dict(d.plan) == {OpId(0, "c"): "recompute", OpId(0, "a"): "offload"} and d.activation_bytes == 400
+    assert dict(d.plan) == {OpId(0, "c"): "recompute", OpId(0, "a"): "fp8"} and d.activation_bytes == 608
+    assert d.reload_bytes == 0 and d.steps == 2
 
 
 def test_algorithm_2_rejects_conflicting_candidates_and_reports_infeasible_budgets():
     cm = _model()
-    # Offload only: a first (800 B; c ties at 800 B but is later in op order), then c's offload
-    # would conflict with b keeping y (case 2 of section V-A): rejected, not applied.
-    d = plan_micro_batch(cm, 1300, tokens=1, strategies=("offload",))
-    assert dict(d.plan) == {OpId(0, "a"): "offload"}
-    with pytest.raises(InfeasibleBudget, match=r"budget 1100 bytes .* at best 1200 bytes for 1 tokens"):
-        plan_micro_batch(cm, 1100, tokens=1, strategies=("offload",))
+    # Offloading a keeps 1200 B and needs its 800 B back in backward: 2000 B, as many as before.
+    f = cm.footprint(1, plan={OpId(0, "a"): "offload"})
+    assert (f.device_bytes, f.reload_bytes, f.needed_bytes) == (1200, 800, 2000)
+    # Offload only: a is still taken (it frees 800 B of what stays on the device, room for the
+    # next offloads; c ties but is later in op order); then c's offload would conflict with b
+    # keeping y (case 2 of section V-A): rejected, not applied, and nothing else is left.
+    with pytest.raises(InfeasibleBudget, match=r"budget 1300 bytes .* at best 2000 bytes for 1 tokens"):
+        plan_micro_batch(cm, 1300, tokens=1, strategies=("offload",))
     with pytest.raises(ValueError, match="strategies: unknown"):
         plan_micro_batch(cm, 1100, tokens=1, strategies=("zip",))
 

@@ -55,12 +55,17 @@ class MitigationOptions:
 
 @dataclass(frozen=True)
 class Footprint:
-    """Saved activations of one forward micro-batch and the time its mitigation adds."""
+    """Saved activations of one forward micro-batch and the time its mitigation adds.
+
+    `offload_peaks`: the two largest amounts of host copies one op makes. In backward an op's
+    copies come back while the op before it is prefetched, so at most two ops' copies are on the
+    device at once: `reload_bytes`, room the micro-batch's backward needs beyond what it keeps."""
 
     device_bytes: float = 0.0
     host_bytes: float = 0.0
     forward_extra_s: float = 0.0
     backward_extra_s: float = 0.0
+    offload_peaks: tuple[float, ...] = ()
 
     def __add__(self, other: Footprint) -> Footprint:
         return Footprint(
@@ -68,7 +73,21 @@ class Footprint:
             self.host_bytes + other.host_bytes,
             self.forward_extra_s + other.forward_extra_s,
             self.backward_extra_s + other.backward_extra_s,
+            _two_largest(self.offload_peaks + other.offload_peaks),
         )
+
+    @property
+    def reload_bytes(self) -> float:
+        return sum(self.offload_peaks)
+
+    @property
+    def needed_bytes(self) -> float:
+        """What the micro-batch needs on the device: what it keeps, and room to bring its copies back."""
+        return self.device_bytes + self.reload_bytes
+
+
+def _two_largest(values: Sequence[float]) -> tuple[float, ...]:
+    return tuple(sorted((v for v in values if v > 0), reverse=True)[:2])
 
 
 @dataclass(frozen=True)
@@ -171,6 +190,7 @@ def footprint(
 
     copy, cast = offload_copy(hw), cast_kernel(hw)
     device = host = fwd = bwd = 0.0
+    offloaded: dict[str, float] = {}  # host bytes per op: the first offloading saver makes the copy
     if chunked:
         bwd += block.op("lm_head").forward_s.at(load)
     for t in tensors:
@@ -188,7 +208,9 @@ def footprint(
             fwd += cast.time(size + stored)
             bwd += cast.time(size + stored)
         elif form == "offload":
+            maker = next(s for s in t.savers if plan.get(s) == "offload")
+            offloaded[maker] = offloaded.get(maker, 0.0) + size
             host += size
             fwd += copy.time(size)
             bwd += copy.time(size)
-    return Footprint(device, host, fwd, bwd + replay)
+    return Footprint(device, host, fwd, bwd + replay, _two_largest(list(offloaded.values())))

@@ -1,6 +1,7 @@
 """Per-operator mitigation of one micro-batch under its budget: Algorithm 2 of paper §V-A.
 
-Start with nothing mitigated; while the micro-batch would keep more than its budget, apply the
+Start with nothing mitigated; while the micro-batch would need more than its budget (what it
+keeps, and room for its backward to bring its offloaded copies back: `Footprint.needed_bytes`), apply the
 single (op, strategy) candidate with the largest memory reduction on the current plan (a
 reduction is re-evaluated after every choice: recomputing an op makes offloading what it made
 pointless). A candidate that would conflict with what is already applied (§V-A, cases 1 and 2) is
@@ -28,6 +29,7 @@ class InfeasibleBudget(RuntimeError):
 class Decision:
     plan: Plan
     activation_bytes: float  # predicted device bytes kept by the micro-batch under `plan`
+    reload_bytes: float  # room its backward needs to bring offloaded copies back (Footprint)
     forward_extra_s: float
     backward_extra_s: float
     steps: int  # candidates applied
@@ -65,7 +67,7 @@ def plan_micro_batch(
     plan: dict[OpId, str] = {}
     current = total(parts, holding)
     steps = 0
-    while current.device_bytes > budget:
+    while current.needed_bytes > budget:
         best = None
         for ops, strategy in candidates:
             if all(plan.get(op) == strategy for op in ops):
@@ -77,14 +79,18 @@ def plan_micro_batch(
             trial_parts = {**parts, i: footprint(cm.blocks[i], block_plan, loads[i], cm.hardware, options)}
             trial_holding = holding | {i} if holds_arguments(cm.blocks[i], block_plan) else holding - {i}
             cost = total(trial_parts, trial_holding)
-            reduction = current.device_bytes - cost.device_bytes
+            reduction = current.needed_bytes - cost.needed_bytes
+            freed = current.device_bytes - cost.device_bytes
             added = cost.forward_extra_s + cost.backward_extra_s - current.forward_extra_s - current.backward_extra_s
-            if reduction > 0 and (best is None or (reduction, -added) > best[0]):
-                best = ((reduction, -added), ops, strategy, block_plan, trial_parts, trial_holding, cost)
+            # The first offloads may free only what their copies need back in backward (the two
+            # largest ops' copies come back at once); they still make room for the next ones.
+            useful = reduction > 0 or (reduction == 0 and freed > 0)
+            if useful and (best is None or (reduction, freed, -added) > best[0]):
+                best = ((reduction, freed, -added), ops, strategy, block_plan, trial_parts, trial_holding, cost)
         if best is None:
             raise InfeasibleBudget(
                 f"budget {budget:.0f} bytes is below what any plan of {', '.join(strategies)} keeps: at best "
-                f"{current.device_bytes:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
+                f"{current.needed_bytes:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
                 "in-flight micro-batches) or allow more strategies"
             )
         _, ops, strategy, block_plan, trial_parts, trial_holding, cost = best
@@ -94,7 +100,7 @@ def plan_micro_batch(
             continue
         plan, parts, holding, current, steps = trial, trial_parts, trial_holding, cost, steps + 1
         plans[ops[0].layer] = block_plan
-    return Decision(Plan(plan), current.device_bytes, current.forward_extra_s, current.backward_extra_s, steps)
+    return Decision(Plan(plan), current.device_bytes, current.reload_bytes, current.forward_extra_s, current.backward_extra_s, steps)
 
 
 class CachedPlanner:

@@ -73,6 +73,7 @@ class Event:
     deferred: list[Deferral]
     tokens: int
     seq_len: int
+    reload_bytes: float = 0.0  # room its backward needs to bring offloaded copies back, counted in its budget
     planner_s: float = 0.0
     actual: int | None = None  # set by end_forward
     peak_device_bytes: int | None = None  # static bytes plus the ledger's peak, at end_forward
@@ -175,12 +176,13 @@ class Provisioner:
         if key not in self._layer_costs:  # as few as the planner's cached decisions
             self._layer_costs[key] = self._gate_costs(decision.plan, tokens, seq_len, planned)
         plan = {str(op): s for op, s in sorted(decision.plan.items())}
-        event = Event(mb, scheduled, budget, decision.activation_bytes, plan, [], [], tokens, seq_len)
+        event = Event(mb, scheduled, budget, decision.activation_bytes, plan, [], [], tokens, seq_len, decision.reload_bytes)
         self.ledger.micro_batch = mb
         hooks = self.runtime.forward()
         hooks.__enter__()
         self._forward = _Forward(
-            event, planned, self._layer_costs[key], budget - decision.activation_bytes, self.budgets.headroom(mb), hooks
+            event, planned, self._layer_costs[key], budget - decision.activation_bytes - decision.reload_bytes,
+            self.budgets.headroom(mb), hooks
         )
         event.planner_s = time.perf_counter() - start
 
@@ -218,14 +220,16 @@ class Provisioner:
             f.event.escalations.append(Escalation(layer, pairs, decision.overrun, decision.slack))
 
     def end_forward(self, mb: int) -> int:
-        """The bytes micro-batch `mb` really keeps; its budget becomes that (Algorithm 1)."""
+        """The bytes micro-batch `mb` really keeps; its budget becomes that, with the room its
+        backward needs to bring offloaded copies back (Algorithm 1; the Ledger counts restored
+        copies on the device, as the allocator does)."""
         f = self._forward
         if f is None or f.event.micro_batch != mb:
             raise ValueError(f"end_forward({mb}): no forward of micro-batch {mb} is running")
         f.hooks.__exit__(None, None, None)
         self._forward = None
         actual = self.ledger.by_micro_batch().get(mb, 0)
-        self.budgets = self.budgets.after_forward(mb, actual)
+        self.budgets = self.budgets.after_forward(mb, actual + round(f.event.reload_bytes))
         f.event.actual = actual
         f.event.peak_device_bytes = self.ledger.peak_device_bytes + self.stage.static_bytes
         self.events.append(f.event)
