@@ -6,11 +6,11 @@ the "bagualu" experts implementation with transformers, so
 """
 
 from .adapters import list_ops
+from .adapters.costs import find_conflicts
 from .config import Recipe, RecipeError, load_recipe
 from .costmodel import CostModel, ModelDims, OpId, Parallel
 from .costmodel.plan import Plan
 from .hardware import HardwareSpec
-from .adapters.costs import find_conflicts
 from .runtime.plan_runtime import apply_plan
 from .runtime.profiler import profile
 from .runtime.provisioner import apply

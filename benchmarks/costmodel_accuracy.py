@@ -69,9 +69,9 @@ def case(family: str, dtype: str, attention: str, repeats: int) -> dict | None:
     real = profile(model, PROFILE_TOKENS, repeats=1)
     analytic = CostModel.from_config(ModelDims.from_hf_config(model.config, dtype=dtype, attention=attention), "cpu")
     agreement = [
-        abs(analytic.activation_bytes(b * l, seq_len=l) - real.activation_bytes(b * l, seq_len=l))
-        / real.activation_bytes(b * l, seq_len=l)
-        for b, l in SHAPES
+        abs(analytic.activation_bytes(b * n, seq_len=n) - real.activation_bytes(b * n, seq_len=n))
+        / real.activation_bytes(b * n, seq_len=n)
+        for b, n in SHAPES
     ]
     return {
         "family": family,

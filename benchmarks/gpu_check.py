@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
+from bagualu_plugin.kernels import reference as ref
 
 import bagualu_plugin as bgl
 from bagualu_plugin import kernels
@@ -41,7 +42,6 @@ from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.costmodel import OpId
 from bagualu_plugin.costmodel.mitigation import MitigationOptions
 from bagualu_plugin.costmodel.plan import Plan
-from bagualu_plugin.kernels import reference as ref
 from bagualu_plugin.report import table
 from bagualu_plugin.runtime.ledger import _storage
 from bagualu_plugin.runtime.plan_runtime import PlanRuntime
@@ -206,7 +206,8 @@ def kernels_bitwise(ctx: Context):
                 if not compare_kernels(x, block_size, fmt):
                     wrong.append(f"{fmt}/{str(dtype)[6:]}/{name}")
     backend = "triton" if ctx.cuda else "reference (CPU)"
-    return f"{backend}: {total - len(wrong)}/{total} equal" + (f"; differ: {', '.join(wrong[:6])}" if wrong else ""), f"{total} cases", not wrong
+    differ = f"; differ: {', '.join(wrong[:6])}" if wrong else ""
+    return f"{backend}: {total - len(wrong)}/{total} equal{differ}", f"{total} cases", not wrong
 
 
 @check("kernels: non-default stream, producer delayed")
@@ -552,7 +553,10 @@ def _environment(ctx: Context) -> str:
         tr = triton.__version__
     except Exception:  # noqa: BLE001
         tr = "none"
-    gpu = f"{torch.cuda.get_device_name(ctx.device)} sm {'.'.join(map(str, torch.cuda.get_device_capability(ctx.device)))}, {torch.cuda.device_count()} GPU(s)" if ctx.cuda else "CPU"
+    gpu = "CPU"
+    if ctx.cuda:
+        sm = ".".join(map(str, torch.cuda.get_device_capability(ctx.device)))
+        gpu = f"{torch.cuda.get_device_name(ctx.device)} sm {sm}, {torch.cuda.device_count()} GPU(s)"
     return f"torch {torch.__version__}, transformers {tf}, triton {tr}, python {platform.python_version()}; {gpu}"
 
 
@@ -619,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.use_deterministic_algorithms(deterministic)
     failed = sum(r[3] == "FAIL" for r in rows)
     text = table(["check", "result", "figure", "status"], rows)
-    text += f"\n\n{len(rows) - 1} checks: {sum(r[3] == 'PASS' for r in rows)} pass, {failed} fail, {sum(r[3] == 'SKIP' for r in rows)} skipped in {time.perf_counter() - started:.0f} s"
+    passed, skipped = sum(r[3] == "PASS" for r in rows), sum(r[3] == "SKIP" for r in rows)
+    text += f"\n\n{len(rows) - 1} checks: {passed} pass, {failed} fail, {skipped} skipped in {time.perf_counter() - started:.0f} s"
     print("\n" + text, flush=True)
     if os.environ.get("OUT"):
         os.makedirs(os.environ["OUT"], exist_ok=True)

@@ -4,8 +4,8 @@ deterministic routing skew. All on tiny random models of the six families, on CP
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 

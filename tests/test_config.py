@@ -197,7 +197,10 @@ BAD = [
     ("schedule-afab", {"pipeline__schedule": "afab"}, "pipeline.schedule", "'1f1b', got 'afab'"),
     ("ep-rank-outside-group", {"parallel__ep_rank": 8}, "parallel.ep_rank", "ep_rank (8) must be < ep (8)"),
     ("kv-heads-not-dividing", {"model__num_key_value_heads": 3}, "model.num_key_value_heads", "multiple of"),
-    ("dense-layers-without-width", {"model__first_k_dense": 1, "model__dense_intermediate_size": 0}, "model.dense_intermediate_size", "> 0"),
+    (
+        "dense-layers-without-width", {"model__first_k_dense": 1, "model__dense_intermediate_size": 0},
+        "model.dense_intermediate_size", "> 0",
+    ),
     ("deepseek-without-mla", {"model__family": "deepseek_v3"}, "model.mla", "mla dimensions are required"),
     ("missing-model", {"model": DELETE}, "model", "required, but missing"),
 ]

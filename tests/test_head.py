@@ -127,7 +127,8 @@ def test_cost_model_prices_the_head_s_loss_region():
     loss = cm.footprint(tokens, seq_len=50, plan={OpId(head, "loss"): "recompute"})
     assert keep.device_bytes - loss.device_bytes == tokens * vocab * 4 + 4  # targets out, labels held
     lm_head = cm.blocks[head].op("lm_head")
-    replay = lm_head.forward_s.at(cm.loads(tokens, seq_len=50)[head]) + cm.blocks[head].op("loss").forward_s.at(cm.loads(tokens, seq_len=50)[head])
+    load = cm.loads(tokens, seq_len=50)[head]
+    replay = lm_head.forward_s.at(load) + cm.blocks[head].op("loss").forward_s.at(load)
     assert loss.backward_extra_s == pytest.approx(replay)
     chunked = cm.footprint(tokens, seq_len=50, options=CHUNKED)
     assert keep.device_bytes - chunked.device_bytes == tokens * vocab * 4 - tokens * 4

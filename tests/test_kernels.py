@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-
-from bagualu_plugin import kernels
 from bagualu_plugin.kernels import reference as ref
 from bagualu_plugin.kernels import triton_quant
+
+from bagualu_plugin import kernels
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUBNORMAL = 2**-6  # smallest normal e4m3 magnitude; |x| / scale below it falls on the 2^-9 grid

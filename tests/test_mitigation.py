@@ -26,12 +26,12 @@ import torch
 
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, Adapter, tiny_model
+from bagualu_plugin.adapters.costs import find_conflicts, model_cost
+from bagualu_plugin.adapters.units import block_spans, block_units
 from bagualu_plugin.costmodel import OpId
 from bagualu_plugin.costmodel.mitigation import MitigationOptions
 from bagualu_plugin.costmodel.plan import Plan
 from bagualu_plugin.runtime import Ledger
-from bagualu_plugin.adapters.costs import find_conflicts, model_cost
-from bagualu_plugin.adapters.units import block_spans, block_units
 from bagualu_plugin.runtime.plan_runtime import PlanRuntime, apply_plan
 
 IDS = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))

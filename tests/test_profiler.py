@@ -53,7 +53,9 @@ def test_profile_under_expert_parallelism_predicts_unseen_skews():
 def test_profiled_graph_names_ops_and_tensors(qwen3_profile):
     block = qwen3_profile.blocks[1]
     assert block.kind == "moe"
-    assert block.op_names == ("attn_norm", "attn_qkv", "attn_core", "attn_out", "mlp_norm", "router", "expert_fc1", "expert_act", "expert_fc2")
+    assert block.op_names == (
+        "attn_norm", "attn_qkv", "attn_core", "attn_out", "mlp_norm", "router", "expert_fc1", "expert_act", "expert_fc2",
+    )
     owners = {block.owner(t) for t in block.tensors}
     assert {"expert_fc1", "expert_act", "expert_fc2", "router", "attn_core"} <= owners
     # expert tensors grow with routed pairs only, the others with tokens
@@ -188,7 +190,10 @@ def test_cli_profile(tmp_path):
     model_dir = save_tiny("mixtral", tmp_path / "mixtral")
     out = tmp_path / "cost.json"
     done = subprocess.run(
-        [sys.executable, "-m", "bagualu_plugin.cli", "profile", "--model", str(model_dir), "--tokens", "32,64,128", "--out", str(out), "--repeats", "1"],
+        [
+            sys.executable, "-m", "bagualu_plugin.cli", "profile", "--model", str(model_dir), "--tokens", "32,64,128",
+            "--out", str(out), "--repeats", "1",
+        ],
         capture_output=True,
         text=True,
         env={"HF_HUB_OFFLINE": "1", "PATH": ""},

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, GptOssConfig, MixtralConfig, PretrainedConfig, Qwen2MoeConfig,
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    Glm4MoeConfig,
+    GptOssConfig,
+    MixtralConfig,
+    PretrainedConfig,
+    Qwen2MoeConfig,
     Qwen3MoeConfig,
 )
 
@@ -20,7 +26,10 @@ _GLM_LIKE = {
     "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3, "n_routed_experts": 8,
     "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
 }
-_QWEN = {"intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_key_value_heads": 2, "num_experts": 8, "mlp_only_layers": [0]}
+_QWEN = {
+    "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_key_value_heads": 2, "num_experts": 8,
+    "mlp_only_layers": [0],
+}
 _SMALL = {"intermediate_size": 32, "num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 8}
 
 # model_type -> (transformers config class, fields of its tiny model: hidden 64, 8 experts, top-2,

@@ -203,7 +203,8 @@ def _attention(blk: _Block, inp: str) -> str:
     )
 
     blk.tensor("attn_out.residual", "attn_out", blk.tok(h), b)
-    blk.op("attn_out", ("ctx",), blk.tok(2 * ctx_w * h), LinearForm(const=ctx_w * h * b / blk.par.tp) + blk.tok((ctx_w + 2 * h) * b), kernels=2)
+    weights = LinearForm(const=ctx_w * h * b / blk.par.tp)
+    blk.op("attn_out", ("ctx",), blk.tok(2 * ctx_w * h), weights + blk.tok((ctx_w + 2 * h) * b), kernels=2)
     blk.dense_params += attention_params(d) // blk.par.tp
     return "attn_out.residual"
 
@@ -360,7 +361,8 @@ def lm_head(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
     _norm_op(blk, "final_norm", "x", "final_norm.out")
     blk.save("lm_head", "final_norm.out")
     blk.tensor("logits", "lm_head", blk.tok(v), blk.b)
-    blk.op("lm_head", ("final_norm.out",), blk.tok(2 * h * v), LinearForm(const=h * v * blk.b / par.tp) + blk.tok((h + v) * blk.b), kernels=2)
+    weights = LinearForm(const=h * v * blk.b / par.tp)
+    blk.op("lm_head", ("final_norm.out",), blk.tok(2 * h * v), weights + blk.tok((h + v) * blk.b), kernels=2)
     blk.tensor("labels", INPUT, LinearForm(per_token=1), _I64, floating=False)  # the caller's, as collators copy them
     blk.save("loss", blk.tensor("loss.logprobs", "loss", blk.tok(v), _F32))
     blk.save("loss", blk.tensor("loss.targets", "loss", LinearForm(per_token=1), _I64, floating=False))

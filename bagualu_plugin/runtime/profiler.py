@@ -177,7 +177,7 @@ def profile(
         raise ValueError(f"skews needs at least 2 different fractions under expert parallelism, got {skews!r}")
     hw = preset(hardware) if isinstance(hardware, str) else hardware
     shapes = [(b, t // b) for b in (1, 2, 4) for t in counts]
-    runs = [(b, l, s) for b, l in shapes for s in (skews if ep_size > 1 else (0.0,))]
+    runs = [(b, length, s) for b, length in shapes for s in (skews if ep_size > 1 else (0.0,))]
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     vocab = adapter.config.vocab_size

@@ -155,7 +155,9 @@ class Provisioner:
             raise ValueError(f"begin_forward({mb}): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
         if mb == 0:  # a new iteration: Algorithm 1 starts over, with nothing left of the last one
             if self._awaiting_backward:
-                raise ValueError(f"begin_forward(0): micro-batches {sorted(self._awaiting_backward)} of the last iteration await end_backward")
+                raise ValueError(
+                    f"begin_forward(0): micro-batches {sorted(self._awaiting_backward)} of the last iteration await end_backward"
+                )
             self.budgets = self._first
         pipe = self.recipe.pipeline
         scheduled = self.phases.get(mb, "steady")
