@@ -180,3 +180,24 @@ def test_engine_phase_and_in_flight_are_checked():
         prov.end_backward(0)
     finally:
         prov.remove()
+
+
+def test_default_cost_model_prices_mitigation_on_the_recipe_s_hardware():
+    """`bgl.apply(model, recipe)` without `cost=`: the analytic model of the model's config on the
+    recipe's hardware (an H100's rooflines, not this CPU's), as `CostModel.from_config` builds it."""
+    from bagualu_plugin.costmodel import CostModel, OpId
+
+    model = tiny_model("glm4_moe", num_hidden_layers=4)
+    recipe = Recipe.from_dict({**_recipe(model, 1).model_dump(), "hardware": "h100"})
+    prov = apply(model, recipe)
+    try:
+        cm = prov.stage.cost
+        assert cm.hardware.name == "h100" and cm.hardware == recipe.hardware
+        dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
+        h100, cpu = CostModel.from_config(dims, "h100"), CostModel.from_config(dims, "cpu")
+        op, tokens = OpId(1, "expert_fc1"), BATCH * SEQ
+        priced = cm.mitigation_cost(op, "offload", tokens, seq_len=SEQ)
+        assert priced == h100.mitigation_cost(op, "offload", tokens, seq_len=SEQ)
+        assert priced.forward_s != cpu.mitigation_cost(op, "offload", tokens, seq_len=SEQ).forward_s
+    finally:
+        prov.remove()
