@@ -1,7 +1,7 @@
 """The roofline of each mitigation strategy on this machine (paper §IV-B, Fig. 6).
 
 For activation sizes from 4 KiB to 64 MiB, time what each strategy adds to one forward and one
-backward, the way the runtime does it (`bagualu_plugin.runtime.mitigation`):
+backward, the way the runtime does it (`bagualu_plugin.runtime.storage`):
 
 - offload: copy the storage out (host buffer; pinned and on a side stream on CUDA) and back;
 - fp8 / int8: blockwise quantise (block 128) and dequantise (`bagualu_plugin.kernels`);
