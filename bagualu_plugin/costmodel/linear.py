@@ -99,7 +99,6 @@ class LinearForm:
     def from_dict(cls, d: dict[str, float]) -> LinearForm:
         return cls(**d)
 
-
     @property
     def per_sequence_terms(self) -> tuple[str, ...]:
         """The nonzero coefficients of terms kept per sequence (`PER_SEQUENCE`)."""

@@ -83,6 +83,11 @@ class Event:
         return json.dumps(asdict(self))
 
 
+def _escalated(plan: Plan, layer: int) -> Plan:
+    """`plan` with `layer`'s routed experts recomputed as one unit: the gate's escalation."""
+    return Plan({**plan, **{OpId(layer, n): "recompute" for n in EXPERT_OPS}})
+
+
 class _LayerCost(NamedTuple):
     per_pair: float  # device bytes each local routed pair beyond the planned ones adds
     escalation: float  # bytes recomputing the layer's experts changes, from the plan at planned pairs
@@ -201,9 +206,10 @@ class Provisioner:
 
         costs = {}
         for layer in self.stage.cost.moe_layers:
-            escalated = Plan({**plan, **{OpId(layer, n): "recompute" for n in EXPERT_OPS}})
             base = kept(layer, plan, planned)
-            costs[layer] = _LayerCost((kept(layer, plan, planned + step) - base) / step, kept(layer, escalated, planned) - base)
+            costs[layer] = _LayerCost(
+                (kept(layer, plan, planned + step) - base) / step, kept(layer, _escalated(plan, layer), planned) - base
+            )
         return costs
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
@@ -218,7 +224,7 @@ class Provisioner:
         if decision.action == "defer":
             f.event.deferred.append(Deferral(layer, pairs, decision.overrun))
         elif decision.action == "escalate":
-            self.runtime.set_plan(Plan({**self.runtime.plan, **{OpId(layer, n): "recompute" for n in EXPERT_OPS}}))
+            self.runtime.set_plan(_escalated(self.runtime.plan, layer))
             f.event.escalations.append(Escalation(layer, pairs, decision.overrun, decision.slack))
 
     def end_forward(self, mb: int) -> int:
