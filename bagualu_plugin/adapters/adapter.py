@@ -10,8 +10,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ..costmodel.graph import EMBED_OPS, HEAD_OPS, LAYER_OPS, OpId
+from ..costmodel.graph import COMM_OPS, EMBED_OPS, HEAD_OPS, LAYER_OPS, OpId
 from ..families import FAMILIES
+
+GROUP_ATTR = "_bagualu_expert_group"  # on an experts module: its `parallel.expert.ExpertGroup`
+GATE_ATTR = "_bagualu_gate"  # on an expert-parallel experts module: gate(received (E/ep,), pairs), called at dispatch
 
 
 class UnsupportedModelError(ValueError):
@@ -44,6 +47,11 @@ class Layer:
     @property
     def moe(self) -> bool:
         return self.experts is not None
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the routed experts are sharded over a process group (`bgl.expert_parallel`)."""
+        return getattr(self.experts, GROUP_ATTR, None) is not None
 
 
 class Adapter:
@@ -88,7 +96,8 @@ class Adapter:
 
     @property
     def num_experts(self) -> int:
-        return next(layer.experts.num_experts for layer in self.layers if layer.moe)
+        """Routed experts per MoE layer, over the whole expert-parallel group."""
+        return getattr(self.config, self.family.num_experts_field)
 
     @property
     def head_index(self) -> int:
@@ -106,7 +115,7 @@ class Adapter:
     def layer_ops(self, layer: Layer) -> list[str]:
         if not layer.moe:
             return [n for n in LAYER_OPS if n.startswith(("attn_", "mlp_")) or n == "dense_mlp"]
-        drop = {"dense_mlp"} | (set() if layer.shared else {"shared_expert"})
+        drop = {"dense_mlp"} | (set() if layer.shared else {"shared_expert"}) | (set() if layer.expert_parallel else set(COMM_OPS))
         return [n for n in LAYER_OPS if n not in drop]
 
     def ops(self) -> list[OpId]:

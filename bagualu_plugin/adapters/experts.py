@@ -42,6 +42,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..costmodel.graph import EXPERT_OPS
+from .adapter import GROUP_ATTR
 from .scopes import enter_expert_op
 
 try:
@@ -53,8 +55,8 @@ except ImportError as error:  # private helper of transformers' MoE integration
     ) from error
 
 IMPLEMENTATION = "bagualu"  # the name given to from_pretrained(experts_implementation=...)
-EP_ATTR = "_bagualu_local_experts"  # on an experts module: (lo, hi) of the experts hosted locally
-RUNNER_ATTR = "expert_op_runner"  # on an experts module: optional runner(name, op, experts, *args, **kw)
+EP_ATTR = "_bagualu_local_experts"  # on an experts module: (lo, hi) of the experts hosted locally (emulation)
+RUNNER_ATTR = "expert_op_runner"  # on an experts module: optional runner(unit, op, experts, *args, **kw)
 
 
 # --- the three operators -----------------------------------------------------------------------
@@ -173,12 +175,34 @@ def _in_bounds(experts: nn.Module, expert_ids_g: torch.Tensor) -> torch.Tensor:
 OPS = {"expert_fc1": expert_fc1, "expert_act": expert_act, "expert_fc2": expert_fc2}
 
 
-def _run(experts: nn.Module, name: str, *args, **kwargs):
-    enter_expert_op(experts, name)
+def _through_runner(experts: nn.Module, unit: tuple[str, ...], op, *args, **kwargs):
     runner = getattr(experts, RUNNER_ATTR, None)
     if runner is None:
-        return OPS[name](experts, *args, **kwargs)
-    return runner(name, OPS[name], experts, *args, **kwargs)
+        return op(experts, *args, **kwargs)
+    return runner(unit, op, experts, *args, **kwargs)
+
+
+def _run(experts: nn.Module, name: str, *args, **kwargs):
+    enter_expert_op(experts, name)
+    return _through_runner(experts, (name,), OPS[name], *args, **kwargs)
+
+
+def _local(experts: nn.Module, hidden_states, top_k_index, top_k_weights, dtype):
+    proj_out, expert_ids_g, perm, offsets = _run(experts, "expert_fc1", hidden_states, top_k_index)
+    act_out = _run(experts, "expert_act", proj_out)
+    return _run(experts, "expert_fc2", act_out, expert_ids_g, perm, offsets, top_k_weights, dtype=dtype)
+
+
+def local_experts(
+    experts: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """expert_fc1, expert_act, expert_fc2 on the rows this module's experts receive: the routed
+    experts' recompute unit (`costmodel.graph.EXPERT_OPS`), run as one through the runner."""
+    return _through_runner(experts, EXPERT_OPS, _local, hidden_states, top_k_index, top_k_weights, dtype)
 
 
 # --- emulated expert parallelism -------------------------------------------------------------
@@ -251,12 +275,14 @@ def set_expert_parallel(model_or_adapter, ep_size: int, ep_rank: int) -> range:
 def bagualu_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Drop-in for `grouped_mm_experts_forward`, as three ops (expert_fc1, expert_act, expert_fc2)."""
+    """Drop-in for `grouped_mm_experts_forward`, as three ops (expert_fc1, expert_act, expert_fc2);
+    under expert parallelism (`parallel.expert`) between dispatch and combine."""
+    group = getattr(self, GROUP_ATTR, None)
+    if group is not None:
+        return group.forward(self, hidden_states, top_k_index, top_k_weights)
     local = getattr(self, EP_ATTR, None)
     if local is None:
-        proj_out, expert_ids_g, perm, offsets = _run(self, "expert_fc1", hidden_states, top_k_index)
-        act_out = _run(self, "expert_act", proj_out)
-        return _run(self, "expert_fc2", act_out, expert_ids_g, perm, offsets, top_k_weights, dtype=hidden_states.dtype)
+        return local_experts(self, hidden_states, top_k_index, top_k_weights, hidden_states.dtype)
 
     lo, hi = local
     # One node where the local and remote gradients of the hidden states meet, so they are summed

@@ -10,7 +10,9 @@ reproduce the routing spikes of expert parallelism (paper section II-B) in tests
 demos.
 
 Every family's router returns `(router_logits (T, E), top_k_weights (T, k), top_k_index (T, k))`;
-a forward hook on it runs after routing and before the experts in all supported families.
+a forward hook on it runs after routing and before the experts in all supported families. Under
+real expert parallelism (`bgl.expert_parallel`) a rank learns its local pairs only when the
+counts have been exchanged: there the experts' dispatch calls the monitor (`GATE_ATTR`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .adapter import Adapter, Layer, is_inside_backward
+from .adapter import GATE_ATTR, Adapter, Layer, is_inside_backward
 from .experts import local_expert_range
 
 OnGate = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -62,7 +64,7 @@ class _RouterHooks:
     def __init__(self, adapter: Adapter, layers: list[Layer], ep_size: int, ep_rank: int):
         self.adapter, self.layers = adapter, layers
         self.local = {
-            layer.index: local_expert_range(layer.experts.num_experts, ep_size, ep_rank) for layer in self.layers
+            layer.index: local_expert_range(adapter.num_experts, ep_size, ep_rank) for layer in self.layers
         }
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self._handles: list[RemovableHandle] = []
@@ -89,7 +91,10 @@ class _RouterHooks:
 class GateMonitor(_RouterHooks):
     """Per-MoE-layer routed counts, recorded at gate time as device tensors.
 
-    on_gate(layer_index, tokens_per_expert (E,), local_pairs (0-dim)) is called in forward only:
+    on_gate(layer_index, tokens_per_expert, local_pairs (0-dim)) is called in forward only, with
+    the (E,) counts of this rank's routing and the pairs on experts [ep_rank*E/ep, ...) of the
+    emulated group; under real expert parallelism with the (E/ep,) pairs each local expert
+    received from all ranks, and their sum (`ep_size`, `ep_rank` are then the group's):
     when a checkpoint re-runs a layer during backward the routing is known already, so the hook
     neither calls on_gate nor overwrites the records (decisions are never taken twice)."""
 
@@ -102,13 +107,28 @@ class GateMonitor(_RouterHooks):
         self._counts: dict[int, torch.Tensor] = {}
         self._local: dict[int, torch.Tensor] = {}
 
+    def install(self):
+        super().install()
+        for layer in self.layers:
+            if layer.expert_parallel:
+                setattr(layer.experts, GATE_ATTR, partial(self._record, layer))
+        return self
+
+    def remove(self) -> None:
+        for layer in self.layers:
+            if getattr(layer.experts, GATE_ATTR, None) is not None:
+                delattr(layer.experts, GATE_ATTR)
+        super().remove()
+
     def _hook(self, layer: Layer, module: nn.Module, args, output) -> None:
-        if is_inside_backward():
+        if is_inside_backward() or layer.expert_parallel:
             return
         top_k_index = _router_output(layer, output)[2]
-        counts = tokens_per_expert(top_k_index, layer.experts.num_experts)
+        counts = tokens_per_expert(top_k_index, self.adapter.num_experts)
         local = self.local[layer.index]
-        local_pairs = counts[local.start : local.stop].sum()
+        self._record(layer, counts, counts[local.start : local.stop].sum())
+
+    def _record(self, layer: Layer, counts: torch.Tensor, local_pairs: torch.Tensor) -> None:
         self._counts[layer.index] = counts
         self._local[layer.index] = local_pairs
         if self.on_gate is not None:

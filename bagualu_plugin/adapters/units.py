@@ -10,8 +10,9 @@ from .adapter import Adapter
 
 
 def unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Module | None:
-    """The module whose forward runs `unit` (a recompute unit or a span); None for the expert ops
-    (run by the experts' runner) and the LM head with the loss (run by the loss runner)."""
+    """The module whose forward runs `unit` (a recompute unit or a span); None for the routed
+    experts and their ops (run by the experts' runner) and the LM head with the loss (run by the
+    loss runner)."""
     if layer == -1:
         return adapter.decoder.embed_tokens
     if layer == adapter.head_index:
@@ -22,7 +23,7 @@ def unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Modul
     if unit[0] in ATTENTION_OPS:
         return part.module.self_attn
     if unit == EXPERT_OPS:
-        return part.experts
+        return None
     single = {
         "attn_norm": part.module.input_layernorm,
         "mlp_norm": part.module.post_attention_layernorm,

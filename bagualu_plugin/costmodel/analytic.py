@@ -80,6 +80,15 @@ class _Block:
         )
         self.ops.append(OpSpec(name, inputs, fwd, fwd * 2))
 
+    def comm(self, name: str, inputs: tuple[str, ...], bytes_per_pair: float) -> None:
+        """An expert-parallel all-to-all: the rows this rank's experts receive (per routed pair,
+        what a skewed rank waits for) over the link between the group's devices, plus the
+        count exchange; backward sends the gradients the other way."""
+        hw, ep = self.hw, self.par.ep
+        link = hw.intra_node_bandwidth if ep <= hw.devices_per_node else hw.inter_node_bandwidth
+        fwd = LinearForm(const=3 * hw.kernel_launch_s, per_routed=bytes_per_pair / link)
+        self.ops.append(OpSpec(name, inputs, fwd, fwd))
+
     def build(self) -> BlockGraph:
         tensors = tuple(
             TensorSpec(
@@ -247,6 +256,10 @@ def _moe(blk: _Block, h_in: str) -> None:
         _shared_expert(blk, h_in)
     weights = _router(blk, h_in)
     bias = d.traits.expert_bias
+    width = blk.tensors[weights]["dtype_bytes"]
+    rows, index = h_in, "router.topk_index"
+    if blk.par.ep > 1:
+        rows, index, weights = _dispatch(blk, h_in, weights, width)
 
     offsets = blk.tensor("experts.offsets", "expert_fc1", LinearForm(const=local), _I32, floating=False)
     blk.save("expert_fc1", offsets, blk.tensor("expert_fc1.token_index", "expert_fc1", blk.pair(1), _I64, floating=False))
@@ -259,7 +272,7 @@ def _moe(blk: _Block, h_in: str) -> None:
     perm = blk.tensor("expert_fc1.pair_perm", "expert_fc1", blk.pair(1), _I64, floating=False)
     blk.op(
         "expert_fc1",
-        (h_in, "router.topk_index"),  # the index the router returns is the one it keeps
+        (rows, index),  # without EP, the index the router returns is the one it keeps
         blk.pair(2 * h * 2 * inter),
         LinearForm(const=local * 2 * inter * h * b) + blk.pair((2 * h + 2 * inter) * b),
         kernels=6,
@@ -274,7 +287,6 @@ def _moe(blk: _Block, h_in: str) -> None:
 
     blk.save("expert_fc2", offsets, perm, "act_out")
     blk.save("expert_fc2", blk.tensor("expert_fc2.inverse_perm", "expert_fc2", blk.pair(1), _I64, floating=False))
-    width = blk.tensors[weights]["dtype_bytes"]
     blk.save("expert_fc2", blk.tensor("expert_fc2.weights", "expert_fc2", blk.pair(1), width))
     blk.save("expert_fc2", blk.tensor("expert_fc2.y", "expert_fc2", blk.pair(h), b))
     blk.op(
@@ -285,8 +297,22 @@ def _moe(blk: _Block, h_in: str) -> None:
         kernels=5,
     )
     blk.expert_params += local * 3 * h * inter
+    if blk.par.ep > 1:  # the weighted rows back, in the weights' dtype (the product's), summed over slots
+        blk.comm("combine", ("router.topk_index",), h * max(b, width))
     if shared and not d.traits.shared_expert_first:
         _shared_expert(blk, h_in)
+
+def _dispatch(blk: _Block, h_in: str, weights: str, width: int) -> tuple[str, str, str]:
+    """Expert parallelism's dispatch (`parallel.expert`): this rank's experts receive their rows,
+    routing weights and local expert ids. Nothing saves them (dispatch keeps only the router's
+    index), so they cost memory only while a recompute region of the experts holds them."""
+    h = blk.dims.hidden_size
+    rows = blk.tensor("dispatch.rows", "dispatch", blk.pair(h), blk.b)
+    ids = blk.tensor("dispatch.expert_ids", "dispatch", blk.pair(1), _I64, floating=False)
+    received = blk.tensor("dispatch.weights", "dispatch", blk.pair(1), width)
+    blk.comm("dispatch", (h_in, weights, "router.topk_index"), h * blk.b + width)
+    return rows, ids, received
+
 
 def _shared_expert(blk: _Block, h_in: str) -> None:
     """The shared expert: a gated MLP on every token; Qwen2-MoE scales it by sigmoid(gate(x))."""

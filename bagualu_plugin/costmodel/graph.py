@@ -21,9 +21,11 @@ LAYER_OPS = (
     "attn_out",
     "mlp_norm",
     "router",
+    "dispatch",
     "expert_fc1",
     "expert_act",
     "expert_fc2",
+    "combine",
     "shared_expert",
     "dense_mlp",
 )
@@ -34,8 +36,9 @@ BlockKind = Literal["embed", "dense", "moe", "head"]
 
 
 ATTENTION_OPS = ("attn_qkv", "attn_core", "attn_out")
-MOE_OPS = ("router", "expert_fc1", "expert_act", "expert_fc2", "shared_expert")
+MOE_OPS = ("router", "dispatch", "expert_fc1", "expert_act", "expert_fc2", "combine", "shared_expert")
 EXPERT_OPS = ("expert_fc1", "expert_act", "expert_fc2")
+COMM_OPS = ("dispatch", "combine")  # expert parallelism's all-to-alls: in no recompute unit or span
 LOSS_OPS = ("lm_head", "loss")  # the head's loss runner replays both: HF's lm_head, then the model's loss
 
 
@@ -47,7 +50,12 @@ def standard_units(kind: str, ops: tuple[str, ...], shared_alone: bool = True) -
     where the family has no glue around it (Qwen2-MoE scales it by a sigmoid gate in the MoE
     block's forward). Ops inside a span are recomputed alone through the span. The head's loss
     runs inside HF's CausalLM forward, so the runtime's loss runner (`runtime.head`) replays the
-    LM head and the model's own loss function together."""
+    LM head and the model's own loss function together.
+
+    Under expert parallelism no unit holds dispatch or combine: their collectives run on every
+    rank at once, and a recompute in one rank's backward would wait for ranks that never join
+    (`parallel.expert`). The whole layer and the MoE block are then no units, and the routed
+    experts' unit is the local computation between the two."""
     if kind == "embed":
         return (("embed",),)
     if kind == "head":
@@ -57,7 +65,7 @@ def standard_units(kind: str, ops: tuple[str, ...], shared_alone: bool = True) -
         alone.add("shared_expert")
     units = [ops, *(tuple(o for o in ops if o in group) for group in (ATTENTION_OPS, MOE_OPS, EXPERT_OPS))]
     units += [(o,) for o in ops if o in alone]
-    return tuple(dict.fromkeys(u for u in units if u))
+    return tuple(dict.fromkeys(u for u in units if u and not set(u) & set(COMM_OPS)))
 
 
 def standard_spans(kind: str, ops: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
@@ -67,13 +75,14 @@ def standard_spans(kind: str, ops: tuple[str, ...]) -> tuple[tuple[str, ...], ..
     Qwen2-MoE's gated shared expert, and re-implementing those forwards per family would copy HF
     code that changes with every release. So the runtime replays the span's module and drops only
     the subset's saves: the region holds the span's inputs, as recomputing the whole span does.
-    The loss alone is recomputed so too, through the head's loss runner."""
+    The loss alone is recomputed so too, through the head's loss runner. Under expert parallelism
+    the MoE block is no span: replaying it would run dispatch and combine again."""
     if kind == "head":
         return (LOSS_OPS,)
     if kind not in ("dense", "moe"):
         return ()
     spans = (tuple(o for o in ops if o in ATTENTION_OPS), tuple(o for o in ops if o in MOE_OPS))
-    return tuple(s for s in spans if s)
+    return tuple(s for s in spans if s and not set(s) & set(COMM_OPS))
 
 
 @dataclass(frozen=True, order=True)

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
+from functools import partial
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..adapters import Adapter, OpTracker, is_inside_backward
 from ..adapters.experts import RUNNER_ATTR
@@ -148,10 +148,12 @@ class PlanRuntime:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self.hooks._keep(t, _storage(t)), self.hooks.unpack)
 
     def _runner(self, layer: int):
-        def run(name, op, experts, *args, **kwargs):
-            if (layer, (name,)) in self._regions and not is_inside_backward():
-                return checkpoint(op, experts, *args, use_reentrant=False, **kwargs)
-            return op(experts, *args, **kwargs)
+        """The experts' runner: the routed experts (`EXPERT_OPS`) or one expert op, as a region
+        if the plan makes it one (under expert parallelism, the computation between dispatch and
+        combine)."""
+
+        def run(unit, op, experts, *args, **kwargs):
+            return self._run(experts, layer, unit, partial(op, experts), args, kwargs)
 
         return run
 

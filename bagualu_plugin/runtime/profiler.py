@@ -363,8 +363,9 @@ def _alone(adapter: Adapter) -> list[tuple[OpId, torch.nn.Module | None]]:
 def _receiving(layer: int, receive):
     """An experts' runner that reports each expert op's arguments before running it."""
 
-    def run(name, op, experts, *args, **kwargs):
-        receive(OpId(layer, name), (args, kwargs))
+    def run(unit, op, experts, *args, **kwargs):
+        if len(unit) == 1:
+            receive(OpId(layer, unit[0]), (args, kwargs))
         return op(experts, *args, **kwargs)
 
     return run

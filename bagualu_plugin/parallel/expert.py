@@ -1,0 +1,194 @@
+"""Expert parallelism over a torch.distributed process group (paper §II-B; DESIGN.md section 6b).
+
+`expert_parallel(model, group)` shards the routed experts of every MoE layer: rank r of an
+ep-rank group keeps experts [r*E/ep, (r+1)*E/ep) of each fused expert parameter and frees the
+rest. Attention, routers, shared experts and dense layers stay replicated. Each rank then runs
+its own tokens (EP inside data parallelism); an expert-parallel MoE layer is three steps:
+
+- dispatch: the per-expert counts go to the ranks hosting those experts (one `all_to_all_single`
+  and the layer's one host sync, where the gate fires with the pairs this rank's experts really
+  received), then the routed rows and their routing weights, in the sender's expert-sorted order
+  (uneven `all_to_all_single`);
+- expert_fc1, expert_act, expert_fc2: the local computation of the "bagualu" experts, unchanged,
+  on the received rows (one pair per row, local expert ids);
+- combine: the weighted rows go back (the reverse all-to-all), are put back in (token, slot)
+  order and summed over the top-k slots.
+
+A local expert's gradient then sums the contributions of every rank's tokens routed to it; every
+other gradient is the rank's own.
+
+dispatch and combine keep nothing of their own for backward: they keep the router's top-k index
+(the very storage the router keeps) and sort it again in backward to rebuild the permutation,
+so under expert parallelism every saved byte still belongs to the operators of DESIGN.md
+section 4, and the experts' bytes grow with the pairs this rank received. Their collectives run
+in every rank's forward and backward in the same order, never inside a recompute: the routed
+experts' recompute unit is the local computation between them (`costmodel.graph.COMM_OPS`), so
+plans may differ per rank.
+
+Exactness against one process running the full model on the rank's batch: the forward and every
+non-expert gradient are computed by the same torch ops on the same rows (the sort, the gathers,
+the scatter-adds, the sum over slots), so they are equal as long as a grouped matmul's result for
+a row does not depend on the other rows of its group; an expert's weight gradient sums its rows
+from all ranks in one matmul, not rank by rank (tests/test_expert_parallel.py states the
+tolerance and measures it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..adapters.adapter import GATE_ATTR, Adapter
+from ..adapters.experts import GROUP_ATTR, IMPLEMENTATION, local_expert_range, local_experts
+from ..adapters.gate import tokens_per_expert
+from ..adapters.scopes import enter_expert_op
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """The expert-parallel group an experts module belongs to, and its share of the experts."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    num_experts: int  # E, over the whole group
+    local: range  # the experts this rank hosts
+
+    def forward(self, experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """The expert-parallel MoE experts: dispatch, the local experts, combine."""
+        enter_expert_op(experts, "dispatch")
+        route = self.route(experts, top_k_index)
+        rows, weights = _Dispatch.apply(hidden_states, top_k_weights, top_k_index, route)
+        local_ids = torch.repeat_interleave(
+            torch.arange(len(self.local), device=rows.device).repeat(self.size),
+            torch.tensor(route.received, device=rows.device),
+            output_size=rows.size(0),
+        )
+        out = local_experts(experts, rows, local_ids.unsqueeze(1), weights.unsqueeze(1), None)
+        enter_expert_op(experts, "combine")
+        return _Combine.apply(out, top_k_index, route).to(hidden_states.dtype)
+
+    def route(self, experts: nn.Module, top_k_index: torch.Tensor) -> _Route:
+        """Exchange the per-expert counts; the gate fires with what this rank received."""
+        counts = tokens_per_expert(top_k_index, self.num_experts)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)  # (source, local expert), source-major
+        per_source = received.view(self.size, len(self.local))
+        gate = getattr(experts, GATE_ATTR, None)
+        if gate is not None:
+            gate(per_source.sum(0), per_source.sum())
+        sent, got, flat = (t.tolist() for t in (counts.view(self.size, -1).sum(1), per_source.sum(1), received))
+        if sum(sent) != top_k_index.numel():
+            raise ValueError(f"top_k_index holds expert ids outside [0, {self.num_experts})")
+        return _Route(self.group, sent, got, flat)
+
+
+@dataclass(frozen=True)
+class _Route:
+    """One micro-batch's splits through one layer: rows sent to each rank, received from each
+    rank, and received per (source, local expert). Host integers, so nothing here is saved."""
+
+    group: dist.ProcessGroup | None
+    sent: list[int]
+    got: list[int]
+    received: list[int]
+
+
+def _all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def _sorted_pairs(top_k_index: torch.Tensor) -> torch.Tensor:
+    """Flat (token, slot) indices in expert order: the one-process forward's sort (expert_fc1)."""
+    return torch.sort(top_k_index.reshape(-1))[1]
+
+
+class _Dispatch(torch.autograd.Function):
+    """Rows and routing weights of this rank's pairs, sent to the ranks hosting their experts."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, top_k_index, route: _Route):
+        perm = _sorted_pairs(top_k_index)
+        k = top_k_index.size(-1)
+        rows = _all_to_all(hidden_states[perm // k], route.got, route.sent, route.group)
+        weights = _all_to_all(top_k_weights.reshape(-1)[perm], route.got, route.sent, route.group)
+        ctx.save_for_backward(top_k_index)
+        ctx.route, ctx.tokens_shape, ctx.weights_shape = route, hidden_states.shape, top_k_weights.shape
+        return rows, weights
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_weights):
+        (top_k_index,) = ctx.saved_tensors
+        route, perm = ctx.route, _sorted_pairs(top_k_index)
+        k = top_k_index.size(-1)
+        grad_rows = _all_to_all(grad_rows, route.sent, route.got, route.group)
+        grad_weights = _all_to_all(grad_weights, route.sent, route.got, route.group)
+        # the scatter-adds autograd makes for the one-process gathers hidden[perm // k], weights[perm]
+        grad_hidden = grad_rows.new_zeros(ctx.tokens_shape).index_put_((perm // k,), grad_rows, accumulate=True)
+        grad_w = grad_weights.new_zeros(ctx.weights_shape).view(-1).index_put_((perm,), grad_weights, accumulate=True)
+        return grad_hidden, grad_w.view(ctx.weights_shape), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """The experts' weighted rows back to their senders, in (token, slot) order, summed over slots."""
+
+    @staticmethod
+    def forward(ctx, out, top_k_index, route: _Route):
+        back = _all_to_all(out, route.sent, route.got, route.group)
+        perm = _sorted_pairs(top_k_index)
+        pairs = back.new_empty(back.shape).index_put_((perm,), back)
+        ctx.save_for_backward(top_k_index)
+        ctx.route = route
+        return pairs.view(*top_k_index.shape, -1).sum(dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (top_k_index,) = ctx.saved_tensors
+        route, perm = ctx.route, _sorted_pairs(top_k_index)
+        grad_pairs = grad.unsqueeze(1).expand(*top_k_index.shape, grad.size(-1)).reshape(-1, grad.size(-1))
+        return _all_to_all(grad_pairs[perm], route.got, route.sent, route.group), None, None
+
+
+def expert_group(experts: nn.Module) -> ExpertGroup | None:
+    """The group an experts module is sharded over; None when it hosts every expert."""
+    return getattr(experts, GROUP_ATTR, None)
+
+
+def expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) -> range:
+    """`bgl.expert_parallel`: shard every MoE layer's routed experts over `group` (default: the
+    world) and switch the layers to dispatch / combine. Returns this rank's expert range.
+
+    Each fused expert parameter (leading dimension E) keeps the rows of the local experts; the
+    others' storage is freed (a meta-device model stays on meta, for a sharded load). The model
+    must run the "bagualu" experts implementation and E must be divisible by the group size."""
+    adapter = Adapter(model)
+    if adapter.config._experts_implementation != IMPLEMENTATION:
+        raise ValueError(
+            f"expert_parallel needs the {IMPLEMENTATION!r} experts implementation, the model runs "
+            f"{adapter.config._experts_implementation!r}: load it with experts_implementation={IMPLEMENTATION!r} "
+            f"or call model.set_experts_implementation({IMPLEMENTATION!r}) after `import bagualu_plugin`"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("expert_parallel needs an initialised torch.distributed process group (init_process_group)")
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    num_experts = adapter.num_experts
+    if num_experts % size:
+        raise ValueError(f"the expert-parallel group has {size} ranks, which does not divide num_experts={num_experts}")
+    local = local_expert_range(num_experts, size, rank)
+    for layer in adapter.layers:
+        if not layer.moe:
+            continue
+        experts = layer.experts
+        if getattr(experts, GROUP_ATTR, None) is not None:
+            raise ValueError(f"layer {layer.index}: the experts are expert-parallel already")
+        for name, param in list(experts.named_parameters(recurse=False)):
+            if param.dim() and param.size(0) == num_experts:
+                shard = nn.Parameter(param.data[local.start : local.stop].clone(), requires_grad=param.requires_grad)
+                setattr(experts, name, shard)
+        experts.num_experts = len(local)
+        setattr(experts, GROUP_ATTR, ExpertGroup(group, size, rank, num_experts, local))
+    return local
