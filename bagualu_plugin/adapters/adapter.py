@@ -100,6 +100,11 @@ class Adapter:
         return getattr(self.config, self.family.num_experts_field)
 
     @property
+    def expert_group(self):
+        """The `parallel.expert.ExpertGroup` the routed experts are sharded over; None without EP."""
+        return next((getattr(layer.experts, GROUP_ATTR) for layer in self.layers if layer.moe and layer.expert_parallel), None)
+
+    @property
     def head_index(self) -> int:
         """Block index of the final norm, LM head and loss (one past the last decoder layer)."""
         return len(self.layers)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..costmodel import CostModel, ModelDims
+from ..costmodel import CostModel, ModelDims, Parallel
 from ..costmodel.conflicts import Conflict, conflicts
 from ..costmodel.plan import Plan
 from ..hardware import HardwareSpec
@@ -18,12 +18,15 @@ from .adapter import Adapter
 
 def model_cost(model: nn.Module, hardware: HardwareSpec | str = "cpu") -> CostModel:
     """The analytic cost model of a supported HF model on `hardware` (a preset name or a spec,
-    e.g. a recipe's `hardware`), in the model's dtype and attention kernel."""
+    e.g. a recipe's `hardware`), in the model's dtype and attention kernel, on this rank of its
+    expert-parallel group (`bgl.expert_parallel`) if it has one."""
     adapter = Adapter(model)
     weight = next(adapter.model.parameters())
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[weight.dtype]
     dims = ModelDims.from_hf_config(adapter.config, dtype=dtype, attention=_attention_kernel(adapter, weight))
-    return CostModel.from_config(dims, hardware)
+    group = adapter.expert_group
+    parallel = Parallel(ep=group.size, ep_rank=group.rank, all_to_all=True) if group else Parallel()
+    return CostModel.from_config(dims, hardware, parallel)
 
 
 def _attention_kernel(adapter: Adapter, weight: torch.Tensor) -> str:

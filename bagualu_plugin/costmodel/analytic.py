@@ -258,7 +258,7 @@ def _moe(blk: _Block, h_in: str) -> None:
     bias = d.traits.expert_bias
     width = blk.tensors[weights]["dtype_bytes"]
     rows, index = h_in, "router.topk_index"
-    if blk.par.ep > 1:
+    if blk.par.dispatches:
         rows, index, weights = _dispatch(blk, h_in, weights, width)
 
     offsets = blk.tensor("experts.offsets", "expert_fc1", LinearForm(const=local), _I32, floating=False)
@@ -297,19 +297,22 @@ def _moe(blk: _Block, h_in: str) -> None:
         kernels=5,
     )
     blk.expert_params += local * 3 * h * inter
-    if blk.par.ep > 1:  # the weighted rows back, in the weights' dtype (the product's), summed over slots
+    if blk.par.dispatches:  # the weighted rows back, in the weights' dtype (the product's), summed over slots
+        blk.save("combine", "router.topk_index")
         blk.comm("combine", ("router.topk_index",), h * max(b, width))
     if shared and not d.traits.shared_expert_first:
         _shared_expert(blk, h_in)
 
 def _dispatch(blk: _Block, h_in: str, weights: str, width: int) -> tuple[str, str, str]:
     """Expert parallelism's dispatch (`parallel.expert`): this rank's experts receive their rows,
-    routing weights and local expert ids. Nothing saves them (dispatch keeps only the router's
-    index), so they cost memory only while a recompute region of the experts holds them."""
+    routing weights and local expert ids. Nothing saves them (dispatch and combine keep only the
+    router's index, also when the router recomputes), so they cost memory only while a recompute
+    region of the experts holds them."""
     h = blk.dims.hidden_size
     rows = blk.tensor("dispatch.rows", "dispatch", blk.pair(h), blk.b)
     ids = blk.tensor("dispatch.expert_ids", "dispatch", blk.pair(1), _I64, floating=False)
     received = blk.tensor("dispatch.weights", "dispatch", blk.pair(1), width)
+    blk.save("dispatch", "router.topk_index")  # to sort again in backward
     blk.comm("dispatch", (h_in, weights, "router.topk_index"), h * blk.b + width)
     return rows, ids, received
 

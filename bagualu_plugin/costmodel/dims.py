@@ -165,6 +165,13 @@ class Parallel(_Strict):
     tp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1)
     ep_rank: int = Field(default=0, ge=0)
+    all_to_all: bool | None = Field(
+        default=None, description="MoE layers dispatch and combine their rows by all-to-all (real EP); None: when ep > 1"
+    )
+
+    @property
+    def dispatches(self) -> bool:
+        return self.ep > 1 if self.all_to_all is None else self.all_to_all
 
     @model_validator(mode="after")
     def _rank_in_group(self) -> Parallel:

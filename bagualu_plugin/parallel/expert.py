@@ -149,8 +149,8 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad):
         (top_k_index,) = ctx.saved_tensors
         route, perm = ctx.route, _sorted_pairs(top_k_index)
-        grad_pairs = grad.unsqueeze(1).expand(*top_k_index.shape, grad.size(-1)).reshape(-1, grad.size(-1))
-        return _all_to_all(grad_pairs[perm], route.got, route.sent, route.group), None, None
+        # each pair's gradient is its token's (the sum's backward): one gather by token
+        return _all_to_all(grad[perm // top_k_index.size(-1)], route.got, route.sent, route.group), None, None
 
 
 def expert_group(experts: nn.Module) -> ExpertGroup | None:

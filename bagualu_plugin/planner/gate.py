@@ -4,8 +4,9 @@ pairs of its layer are known and its experts have not run yet. The micro-batch w
 slack left under the budget, nothing changes. In warmup the later warmup micro-batches can give
 bytes up (their budgets shrink after this forward, each keeping M0): that headroom absorbs the
 overrun before anything is recomputed. Otherwise the layer's routed experts are recomputed as one
-unit, which keeps nothing per routed pair, so the bytes the escalation changes do not depend on
-how many arrived. Pure arithmetic: numbers in, a decision out.
+unit, which keeps nothing per routed pair in one process (under expert parallelism it holds the
+rows dispatch received, so the caller prices it at the pairs that arrived). Pure arithmetic:
+numbers in, a decision out.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def at_gate(
     pairs: float, planned: float, bytes_per_pair: float, escalation_bytes: float, slack: float, headroom: float
 ) -> GateDecision:
     """What to do when `pairs` local routed pairs reach a layer planned for `planned`.
-    `escalation_bytes`: how recomputing the layer's experts changes what the layer keeps,
-    relative to its plan at `planned` pairs (negative: it saves)."""
+    `escalation_bytes`: what the layer keeps with its experts recomputed and `pairs` arrived,
+    minus what its plan keeps at `planned` pairs (negative: it saves)."""
     extra = (pairs - planned) * bytes_per_pair
     if extra <= slack:  # fewer pairs than planned give nothing back: the plan's estimate stands
         return GateDecision("fits", 0.0, slack - max(extra, 0.0), headroom)

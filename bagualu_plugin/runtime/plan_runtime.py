@@ -80,7 +80,16 @@ class PlanRuntime:
         for layer in {op.layer for op in plan if plan[op] == "recompute"}:
             wanted = {op.name for op in plan if op.layer == layer and plan[op] == "recompute"}
             units, spans = block_units(self.adapter, layer), block_spans(self.adapter, layer)
-            for region in cover(units, spans, wanted, f"layer {layer}"):
+            try:
+                covered = cover(units, spans, wanted, f"layer {layer}")
+            except ValueError as error:
+                if layer < 0 or layer >= len(self.adapter.layers) or not self.adapter.layers[layer].expert_parallel:
+                    raise
+                raise ValueError(
+                    f"{error}. Under expert parallelism no recompute region may hold dispatch or combine (all-to-alls "
+                    "that every rank must join): the whole layer and the MoE block are no units"
+                ) from None
+            for region in covered:
                 regions[(layer, region.ops)] = frozenset(region.dropped)
         self._regions, self.hooks.plan = regions, plan
 

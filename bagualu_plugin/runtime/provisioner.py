@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..adapters import Adapter
 from ..adapters.costs import model_cost
 from ..adapters.gate import GateMonitor
 from ..config import Recipe
@@ -91,6 +92,7 @@ def _escalated(plan: Plan, layer: int) -> Plan:
 class _LayerCost(NamedTuple):
     per_pair: float  # device bytes each local routed pair beyond the planned ones adds
     escalation: float  # bytes recomputing the layer's experts changes, from the plan at planned pairs
+    escalated_per_pair: float  # what each local pair adds once they recompute (under EP: the held rows)
 
 
 @dataclass
@@ -106,11 +108,23 @@ class _Forward:
     hooks: AbstractContextManager  # the plan's saved-tensor hooks, entered
 
 
+def _check_expert_group(adapter: Adapter, recipe: Recipe) -> None:
+    """Under real expert parallelism the recipe's EP size and rank are the group's: the cost
+    model and the planned pairs follow them."""
+    group, par = adapter.expert_group, recipe.parallel
+    if group is not None and (par.ep, par.ep_rank) != (group.size, group.rank):
+        raise ValueError(
+            f"recipe parallel.ep={par.ep}, parallel.ep_rank={par.ep_rank}, but the model is expert-parallel over "
+            f"{group.size} ranks and this is rank {group.rank}: set them to the group's"
+        )
+
+
 class Provisioner:
     def __init__(self, model: nn.Module, recipe: Recipe, cost: CostModel | None = None):
         """`model` is this pipeline rank's stage; `cost` its cost model (default: the analytic one
         of the model's config)."""
         self.recipe = recipe
+        _check_expert_group(Adapter(model), recipe)
         self.stage = Stage.of(recipe, cost or model_cost(model, recipe.hardware), split=False)
         stage = self.stage
         self._first = BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup)
@@ -194,8 +208,9 @@ class Provisioner:
         event.planner_s = time.perf_counter() - start
 
     def _gate_costs(self, plan: Plan, tokens: int, seq_len: int, planned: float) -> dict[int, _LayerCost]:
-        """Per MoE layer under `plan`: the bytes of each extra local routed pair, and what
-        recomputing its experts changes (it keeps nothing per pair, so any count gives it)."""
+        """Per MoE layer under `plan`: the bytes of each extra local routed pair, what recomputing
+        its experts changes, and the bytes per pair then (none in one process; under expert
+        parallelism the region holds the dispatched rows)."""
         step = 1024
 
         def kept(layer: int, plan: Plan, routed: float) -> float:
@@ -206,9 +221,12 @@ class Provisioner:
 
         costs = {}
         for layer in self.stage.cost.moe_layers:
-            base = kept(layer, plan, planned)
+            base, escalated = kept(layer, plan, planned), _escalated(plan, layer)
+            recomputed = kept(layer, escalated, planned)
             costs[layer] = _LayerCost(
-                (kept(layer, plan, planned + step) - base) / step, kept(layer, _escalated(plan, layer), planned) - base
+                (kept(layer, plan, planned + step) - base) / step,
+                recomputed - base,
+                (kept(layer, escalated, planned + step) - recomputed) / step,
             )
         return costs
 
@@ -219,7 +237,8 @@ class Provisioner:
             return
         pairs = int(local_pairs)  # one host sync per MoE layer
         cost = f.costs[layer]
-        decision = at_gate(pairs, f.planned, cost.per_pair, cost.escalation, f.slack, f.headroom)
+        escalation = cost.escalation + (pairs - f.planned) * cost.escalated_per_pair
+        decision = at_gate(pairs, f.planned, cost.per_pair, escalation, f.slack, f.headroom)
         f.slack, f.headroom = decision.slack, decision.headroom
         if decision.action == "defer":
             f.event.deferred.append(Deferral(layer, pairs, decision.overrun))

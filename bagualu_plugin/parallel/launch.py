@@ -1,0 +1,89 @@
+"""Run a function on every rank of a local gloo group, each rank its own process: how the demo,
+the benchmarks and the tests run expert parallelism on a CPU machine. A rank that fails, or a
+collective that never completes, ends every rank and raises here: as on a cluster, one rank's
+error (an out-of-memory included) stops the job, and a deadlock fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """A rank of `run_ranks` raised, exited, or ran past the deadline."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, size: int, port: int, timeout_s: float, threads: int, fn: Callable, args: tuple, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+        )
+        result = fn(rank, size, *args)
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises
+        # reported before this process's sockets close, so the parent hears the cause before the
+        # other ranks' "connection closed"
+        results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        return
+    dist.destroy_process_group()
+    results.put((rank, True, result))
+
+
+def run_ranks(fn: Callable, size: int, *args, timeout_s: float = 120.0, threads: int | None = None) -> list:
+    """`fn(rank, size, *args)` on `size` spawned processes joined in one gloo group (collectives
+    time out after `timeout_s`); returns the ranks' results in rank order. `fn` must be importable
+    (a module-level function) and its results picklable. `threads`: torch threads per rank
+    (default: the CPUs shared out, at least 1)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a positive int, got {size!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    threads = threads or max(1, (os.cpu_count() or 1) // size)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, size, port, timeout_s, threads, fn, args, results), daemon=True) for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s + 60  # spawning and imports, then the collectives' own timeout
+    out: dict[int, object] = {}
+    try:
+        while len(out) < size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise RankError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before reporting") from None
+                if time.monotonic() > deadline:
+                    raise RankError(f"ranks {sorted(set(range(size)) - set(out))} did not finish within {timeout_s + 60:.0f} s") from None
+                continue
+            if not ok:
+                raise RankError(f"rank {rank} failed: {value}")
+            out[rank] = value
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    return [out[r] for r in range(size)]

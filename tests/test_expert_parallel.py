@@ -1,0 +1,197 @@
+"""Real expert parallelism (`bgl.expert_parallel`): tokens exchanged between gloo processes on CPU.
+
+Against one process running the full model on the rank's batch: the loss and the non-expert
+gradients of each rank, and each local expert's gradient against the sum over ranks of the full
+model's gradient for that expert. Not bitwise: CPU matmul rounds a row differently depending on
+how many rows it multiplies at once (one row against several already differs), and an expert
+multiplies the rows of all ranks at once. Tolerance 1e-5 relative (loss, and the norm of each
+gradient's error); measured at most 4e-7 for the expert gradients, 3e-8 for the loss.
+
+Every group has a 60 s collective timeout and every launch a deadline (`parallel.launch`).
+"""
+
+import pytest
+import torch
+
+import bagualu_plugin as bgl
+from bagualu_plugin.adapters import FAMILIES, Adapter, tiny_model
+from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.adapters.gate import GateMonitor, RoutingSkew
+from bagualu_plugin.costmodel import OpId
+from bagualu_plugin.costmodel.graph import EXPERT_OPS
+from bagualu_plugin.parallel import expert_parallel
+from bagualu_plugin.parallel.launch import RankError, run_ranks
+from bagualu_plugin.runtime.plan_runtime import PlanRuntime, apply_plan
+
+FAMS = sorted(FAMILIES)
+BATCH, SEQ = 2, 16
+TOKENS = BATCH * SEQ
+TOL = 1e-5
+
+
+def _model(family: str, ep: bool = True, **overrides):
+    model = tiny_model(family, **overrides)
+    model.set_experts_implementation("bagualu")
+    if ep:
+        expert_parallel(model)
+    return model
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(1000 + rank))
+
+
+def _step(model, ids, plan=None):
+    model.zero_grad(set_to_none=True)
+    with apply_plan(model, plan or {}) as ledger:
+        loss = model(input_ids=ids, labels=ids.clone()).loss  # labels of their own, as collators make them
+        saved = ledger.live_device_bytes
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, saved
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _skew(model, fraction: float):
+    """Every rank routes `fraction` of each layer's pairs to rank 0's experts."""
+    return RoutingSkew(Adapter(model), fraction, ep_size=torch.distributed.get_world_size(), ep_rank=0)
+
+
+def _against_one_process(rank: int, size: int, families: list[str], fraction: float) -> dict:
+    ids, out = _batch(rank), {}
+    for family in families:
+        reference, model = _model(family, ep=False), _model(family)
+        with _skew(reference, fraction):
+            loss0, grads0, _ = _step(reference, ids)
+        with _skew(model, fraction), GateMonitor(model) as monitor:
+            loss, grads, _ = _step(model, ids)
+        received = monitor.local_pairs()
+        local = Adapter(model).expert_group.local
+        expert, other = 0.0, 0.0
+        for name, g in grads.items():
+            g0 = grads0[name]
+            if g.shape != g0.shape:  # a sharded expert parameter: every rank's tokens reached it
+                torch.distributed.all_reduce(g0)
+                expert = max(expert, _rel(g, g0[local.start : local.stop]))
+            else:
+                other = max(other, _rel(g, g0))
+        sharded = sum(p.numel() for layer in Adapter(model).layers if layer.moe for p in layer.experts.parameters())
+        full = sum(p.numel() for layer in Adapter(reference).layers if layer.moe for p in layer.experts.parameters())
+        out[family] = dict(loss=abs(loss - loss0).item() / loss0.item(), expert=expert, other=other,
+                           received=received, sharded=sharded, full=full, missing=sorted(set(grads0) - set(grads)))
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ranks_match_one_process_on_their_batch(size):
+    results = run_ranks(_against_one_process, size, FAMS, 0.0, timeout_s=60)
+    for family in FAMS:
+        per_rank = [r[family] for r in results]
+        for r in per_rank:
+            assert r["loss"] < TOL and r["other"] < TOL and r["expert"] < TOL, (family, r)
+            assert r["sharded"] * size == r["full"] and not r["missing"]
+        # every routed pair of every rank was received by exactly one rank
+        for layer in per_rank[0]["received"]:
+            assert sum(r["received"][layer] for r in per_rank) == size * TOKENS * 2
+
+
+def test_experts_and_ranks_without_tokens():
+    """Every pair routed to rank 0's experts: rank 1 receives nothing, its experts no gradient."""
+    results = run_ranks(_against_one_process, 2, ["glm4_moe", "gpt_oss"], 1.0, timeout_s=60)
+    for family in ("glm4_moe", "gpt_oss"):
+        hot, cold = results[0][family], results[1][family]
+        for r in (hot, cold):
+            assert r["loss"] < TOL and r["other"] < TOL and r["expert"] < TOL, (family, r)
+        assert set(cold["received"].values()) == {0}
+        assert set(hot["received"].values()) == {2 * TOKENS * 2}
+
+
+def _ledger_and_plans(rank: int, size: int, families: list[str]) -> dict:
+    """Ledger bytes against the cost model at this rank's real local pairs, under several plans,
+    balanced and skewed; and a plan that recomputes on rank 0 only."""
+    ids, out = _batch(rank), {}
+    for family in families:
+        model = _model(family)
+        adapter, cm = Adapter(model), model_cost(model)
+        moe = [layer.index for layer in adapter.layers if layer.moe]
+        plans = {
+            "keep": {},
+            "experts recomputed": {OpId(i, n): "recompute" for i in moe for n in EXPERT_OPS},
+            "fc1 recomputed, fc2 offloaded": {**{OpId(i, "expert_fc1"): "recompute" for i in moe},
+                                               **{OpId(i, "expert_fc2"): "offload" for i in moe}},
+            "full recompute": cm.full_recompute(),
+        }
+        checks = {}
+        for fraction in (0.0, 0.75):
+            for name, plan in plans.items():
+                with _skew(model, fraction), GateMonitor(model) as monitor:
+                    _, _, saved = _step(model, ids, plan)
+                pairs = monitor.local_pairs()
+                predicted = cm.activation_bytes(TOKENS, [pairs[i] for i in moe], SEQ, plan)
+                # the skew hook hands the experts a rewritten index (even at 0), which dispatch keeps
+                # besides the router's own, unless the router recomputes
+                predicted += 8 * TOKENS * 2 * sum(plan.get(OpId(i, "router")) != "recompute" for i in moe)
+                checks[(fraction, name)] = (saved, predicted, sum(pairs.values()))
+        # plans that differ per rank: rank 0 recomputes its experts and attention, the others keep
+        mixed = plans["experts recomputed"] | {OpId(i, "attn_core"): "recompute" for i in moe} if rank == 0 else {}
+        loss_keep, grads_keep, _ = _step(model, ids)
+        loss_mixed, grads_mixed, _ = _step(model, ids, mixed)
+        bitwise = torch.equal(loss_keep, loss_mixed) and all(torch.equal(grads_keep[n], g) for n, g in grads_mixed.items())
+        errors = {}
+        for name, plan in (("moe block", {OpId(moe[0], n): "recompute" for n in ("router", "dispatch", "combine")}),
+                           ("whole layer", {OpId(moe[0], n): "recompute" for n in adapter.layer_ops(adapter.layers[moe[0]])})):
+            runtime = PlanRuntime(model)
+            try:
+                runtime.set_plan(plan)
+            except ValueError as error:
+                errors[name] = str(error)
+        out[family] = dict(checks=checks, bitwise=bitwise, errors=errors, ops=[op.name for op in bgl.list_ops(model) if op.layer == moe[0]])
+    return out
+
+
+def test_ledger_matches_cost_model_and_plans_may_differ_per_rank():
+    results = run_ranks(_ledger_and_plans, 2, FAMS, timeout_s=60)
+    for family in FAMS:
+        hot, cold = results[0][family], results[1][family]
+        for r in (hot, cold):
+            for key, (saved, predicted, _) in r["checks"].items():
+                assert saved == predicted, (family, key)
+            assert r["bitwise"], family
+            assert set(r["errors"]) == {"moe block", "whole layer"}
+            assert all("expert parallelism" in e for e in r["errors"].values())
+            assert r["ops"].index("router") < r["ops"].index("dispatch") < r["ops"].index("expert_fc1")
+            assert r["ops"].index("expert_fc2") < r["ops"].index("combine")
+        # the skew raises the hot rank's pairs and bytes, and lowers the other's
+        for name in ("keep", "fc1 recomputed, fc2 offloaded"):
+            assert hot["checks"][(0.75, name)][2] > hot["checks"][(0.0, name)][2]
+            assert hot["checks"][(0.75, name)][0] > hot["checks"][(0.0, name)][0]
+            assert cold["checks"][(0.75, name)][0] < cold["checks"][(0.0, name)][0]
+
+
+def _bad_input(rank: int, size: int) -> list[str]:
+    errors = []
+    for make in (lambda: _model("qwen3_moe", num_experts=6), lambda: expert_parallel(tiny_model("qwen3_moe"))):
+        try:
+            make()
+        except ValueError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_bad_input_names_what_is_expected():
+    errors = run_ranks(_bad_input, 4, timeout_s=60)[0]
+    assert "does not divide num_experts=6" in errors[0]
+    assert "experts_implementation='bagualu'" in errors[1]
+
+
+def _fails_on_rank_1(rank: int, size: int) -> None:
+    if rank == 1:
+        raise torch.OutOfMemoryError("simulated out of memory on rank 1")
+    torch.distributed.barrier()  # rank 0 waits for a rank that never comes
+
+
+def test_one_rank_failing_stops_the_job():
+    with pytest.raises(RankError, match="rank 1 failed: OutOfMemoryError"):
+        run_ranks(_fails_on_rank_1, 2, timeout_s=30)
