@@ -46,6 +46,7 @@ from ..adapters.experts import GROUP_ATTR, IMPLEMENTATION, local_expert_range, l
 from ..adapters.gate import tokens_per_expert
 from ..adapters.scopes import enter_expert_op
 
+
 @dataclass(frozen=True)
 class ExpertGroup:
     """The expert-parallel group an experts module belongs to, and its share of the experts."""
