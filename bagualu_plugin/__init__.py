@@ -11,6 +11,7 @@ from .config import Recipe, RecipeError, load_recipe
 from .costmodel import CostModel, ModelDims, OpId, Parallel
 from .costmodel.plan import Plan
 from .hardware import HardwareSpec
+from .parallel import expert_parallel
 from .runtime.plan_runtime import apply_plan
 from .runtime.profiler import profile
 from .runtime.provisioner import apply
@@ -19,5 +20,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CostModel", "HardwareSpec", "ModelDims", "OpId", "Parallel", "Plan", "Recipe", "RecipeError",
-    "apply", "apply_plan", "find_conflicts", "list_ops", "load_recipe", "profile",
+    "apply", "apply_plan", "expert_parallel", "find_conflicts", "list_ops", "load_recipe", "profile",
 ]

@@ -1,14 +1,15 @@
 """Expert parallelism's communication per MoE layer on gloo (CPU): dispatch and combine, forward
 and backward, versus tokens per rank and EP size (`bagualu_plugin.parallel.expert`).
 
-The script spawns its own ranks (torch.multiprocessing, gloo, one process group per EP size) and
-calls the code path an expert-parallel layer runs, on tensors, with no model: random top-k
-routing over E experts, then `ExpertGroup.route` (the per-expert counts' all_to_all_single and
-the host sync), `_Dispatch.apply` (rows (T*k, H) float32 and their routing weights, uneven
-all_to_all_single), the received rows multiplied by their weights (no expert compute: this
-measures communication), `_Combine.apply` (the reverse all-to-all, un-permute, sum over top-k),
-then backward through both with a random output gradient. A barrier precedes each timed region;
-each rank times its own regions, one warm-up pass, then the median of --repeats.
+The script runs its ranks through `bagualu_plugin.parallel.launch.run_ranks` (one process each,
+gloo, one process group per EP size) and calls the code path an expert-parallel layer runs, on
+tensors, with no model: random top-k routing over E experts, then `ExpertGroup.route` (the
+per-expert counts' all_to_all_single and the host sync), `_Dispatch.apply` (rows (T*k, H) float32
+and their routing weights, uneven all_to_all_single), the received rows multiplied by their weights
+(no expert compute: this measures communication), `_Combine.apply` (the reverse all-to-all,
+un-permute, sum over top-k), then backward through both with a random output gradient. A barrier
+precedes each timed region; each rank times its own regions, one warm-up pass, then the median of
+--repeats.
 
 A row's times are the slowest rank's (the layer waits for it; each column's own maximum, so the
 phases need not add up to the total). "MB sent/rank" is what a rank sends to the other ranks
@@ -22,7 +23,7 @@ other rank.
 The times are those of the real Functions, so they include their local copies (the gather into
 expert order, the un-permute, the backward's scatter-add and gathers; the backward also holds the
 weight multiply's), not only the all_to_all_single calls. All ranks share this machine's cores
-(4 ranks on 2 cores oversubscribe them): each worker runs torch.set_num_threads(1), and the
+(4 ranks on 2 cores oversubscribe them): each rank runs one torch thread (threads=1), and the
 bandwidth is loopback TCP through gloo, not a network's.
 
     python benchmarks/expert_parallel.py [--ep 2 4] [--tokens 256 1024 4096] [--hidden 1024]
@@ -37,16 +38,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import types
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from bagualu_plugin.parallel.launch import run_ranks
 from bagualu_plugin.report import table
 
 PHASES = ("route", "dispatch fwd", "combine fwd", "bwd")
@@ -112,34 +111,25 @@ def _measure(eg, tokens: int, hidden: int, top_k: int, skew: float, repeats: int
     }
 
 
-def _worker(rank: int, size: int, init: str, out: str, cases: list, args: dict) -> None:
+def _worker(rank: int, size: int, cases: list, args: dict) -> list[dict]:
     from bagualu_plugin.adapters.experts import local_expert_range
     from bagualu_plugin.parallel.expert import ExpertGroup
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=timedelta(seconds=60))
-    try:
-        eg = ExpertGroup(None, size, rank, args["experts"], local_expert_range(args["experts"], size, rank))
-        results = []
-        for i, (tokens, skew) in enumerate(cases):
-            seed = 1000 * i + rank
-            results.append(_measure(eg, tokens, args["hidden"], args["top_k"], skew, args["repeats"], args["warmup"], seed))
-        Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+    eg = ExpertGroup(None, size, rank, args["experts"], local_expert_range(args["experts"], size, rank))
+    results = []
+    for i, (tokens, skew) in enumerate(cases):
+        seed = 1000 * i + rank
+        results.append(_measure(eg, tokens, args["hidden"], args["top_k"], skew, args["repeats"], args["warmup"], seed))
+    return results
 
 
 def _run(size: int, cases: list, args: dict, deadline: float) -> list[list[dict]]:
-    """Spawn `size` ranks; per case, each rank's result. Fails instead of hanging past `deadline`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.spawn(_worker, args=(size, f"file://{tmp}/rendezvous", tmp, cases, args), nprocs=size, join=False)
-        while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                raise TimeoutError(f"ep={size}: the ranks did not finish before the deadline")
-        per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(size)]
+    """`size` ranks, one thread each; per case, each rank's result. The time left before `deadline`
+    is the collectives' timeout (run_ranks allows 60 s more for spawning), so a hang fails."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"ep={size}: no time left before the deadline")
+    per_rank = run_ranks(_worker, size, cases, args, timeout_s=left, threads=1)
     return [list(case) for case in zip(*per_rank)]
 
 
@@ -175,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skew", type=float, default=0.5, help="also a case with this fraction of pairs sent to rank 0 (0: none)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--deadline", type=float, default=300.0, help="seconds for the whole run before it fails")
+    p.add_argument("--deadline", type=float, default=300.0, help="seconds for the whole run before it fails (+60 s to start ranks)")
     p.add_argument("--json", default=None, help="also write the rows as JSON")
     args = p.parse_args(argv)
     for size in args.ep:

@@ -2,29 +2,25 @@
 CPU: each rank materialises only its experts, the sharded model computes the loss of the whole
 model loaded by `from_pretrained`, and `save_expert_parallel` writes back the very checkpoint.
 
-Each test runs one spawn of 2 processes; a worker checks every case of the test and writes its
-measurements to tmp_path as JSON, which the parent asserts. Every process group has a 60 s
-timeout and the spawn a 120 s deadline, so a deadlock fails instead of hanging."""
+Each test runs 2 processes through `parallel.launch.run_ranks`; a worker checks every case of the
+test and returns its measurements, which the parent asserts. The group's collectives time out
+after 60 s and the ranks must finish within 120 s, so a deadlock fails instead of hanging."""
 
 from __future__ import annotations
 
-import datetime
-import json
-import time
 from pathlib import Path
 from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from bagualu_plugin.adapters import save_tiny, tiny_model
 from bagualu_plugin.parallel import load_expert_parallel, save_expert_parallel
+from bagualu_plugin.parallel.launch import run_ranks
 
 WORLD = 2
-DEADLINE_S = 120
+TIMEOUT_S = 60  # collectives; run_ranks gives the ranks this + 60 s to finish
 LOSS_RTOL = 1e-5  # EP forward differs from one process in the last ulps (CPU matmul results depend on the row count)
 
 # name -> (family, save_tiny overrides, save_pretrained max_shard_size or None)
@@ -40,24 +36,9 @@ CASES = {
 }
 
 
-def _spawn(worker, tmp_path: Path, *args) -> list[dict]:
-    """Run worker(rank, init_method, tmp_path, *args) on WORLD processes; their JSON reports."""
-    context = mp.start_processes(
-        worker, args=(f"file://{tmp_path}/rendezvous", tmp_path, *args), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
-            pytest.fail(f"the {WORLD} processes did not finish within {DEADLINE_S} s")
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
-
-
-def _init(rank: int, init_method: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+def _spawn(worker, *args) -> list[dict]:
+    """worker(rank, WORLD, *args) on WORLD processes, one thread each; their reports in rank order."""
+    return run_ranks(worker, WORLD, *args, timeout_s=TIMEOUT_S, threads=1)
 
 
 def _bytes(tensors) -> int:
@@ -103,14 +84,13 @@ class _CountingOpen:
         return tensor
 
 
-def _round_trip_worker(rank: int, init_method: str, tmp_path: Path, names: list[str]) -> None:
+def _round_trip_worker(rank: int, size: int, tmp_path: Path, names: list[str]) -> dict:
     from transformers import AutoModelForCausalLM
 
     from bagualu_plugin.parallel import checkpoint, expert_group
     from bagualu_plugin.parallel.checkpoint import expert_shards
 
-    _init(rank, init_method)
-    checkpoint.safe_open = _CountingOpen
+    checkpoint.safe_open = _CountingOpen  # in this rank's process only
     report = {}
     for name in names:
         path = tmp_path / name
@@ -157,8 +137,7 @@ def _round_trip_worker(rank: int, init_method: str, tmp_path: Path, names: list[
             case["saved_differ"] = [k for k in original.keys() & saved.keys() if not torch.equal(original[k], saved[k])]
             case["reloaded_differ"] = [k for k, t in full.state_dict().items() if not torch.equal(t, reloaded[k])]
         report[name] = case
-    (tmp_path / f"rank{rank}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    return report
 
 
 def test_load_and_save_round_trip(tmp_path):
@@ -188,15 +167,13 @@ def test_load_and_save_round_trip(tmp_path):
     assert any("bias" in n for n in reports[0]["gpt_oss"]["sharded"])  # gpt-oss expert biases are sharded too
 
 
-def _bad_input_worker(rank: int, init_method: str, tmp_path: Path) -> None:
-    _init(rank, init_method)
+def _bad_input_worker(rank: int, size: int, tmp_path: Path) -> dict:
     try:
         load_expert_parallel(tmp_path / "seven")
         error = None
     except ValueError as caught:
         error = str(caught)
-    (tmp_path / f"rank{rank}.json").write_text(json.dumps({"error": error}))
-    dist.destroy_process_group()
+    return {"error": error}
 
 
 def test_experts_not_divisible_by_group(tmp_path):

@@ -17,10 +17,12 @@ import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, Adapter, tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.adapters.gate import GateMonitor, RoutingSkew
-from bagualu_plugin.costmodel import OpId
+from bagualu_plugin.config import Recipe
+from bagualu_plugin.costmodel import ModelDims, OpId
 from bagualu_plugin.costmodel.graph import EXPERT_OPS
 from bagualu_plugin.parallel import expert_parallel
 from bagualu_plugin.parallel.launch import RankError, run_ranks
+from bagualu_plugin.runtime.driver import run_iteration
 from bagualu_plugin.runtime.plan_runtime import PlanRuntime, apply_plan
 
 FAMS = sorted(FAMILIES)
@@ -54,9 +56,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _skew(model, fraction: float):
-    """Every rank routes `fraction` of each layer's pairs to rank 0's experts."""
-    return RoutingSkew(Adapter(model), fraction, ep_size=torch.distributed.get_world_size(), ep_rank=0)
+def _skew(model, fraction: float, layers=None):
+    """Every rank routes `fraction` of each layer's pairs (of `layers`; None: all) to rank 0's experts."""
+    return RoutingSkew(Adapter(model), fraction, ep_size=torch.distributed.get_world_size(), ep_rank=0, layers=layers)
 
 
 def _against_one_process(rank: int, size: int, families: list[str], fraction: float) -> dict:
@@ -195,3 +197,59 @@ def _fails_on_rank_1(rank: int, size: int) -> None:
 def test_one_rank_failing_stops_the_job():
     with pytest.raises(RankError, match="rank 1 failed: OutOfMemoryError"):
         run_ranks(_fails_on_rank_1, 2, timeout_s=30)
+
+
+def _recipe(model, ep: int, ep_rank: int) -> Recipe:
+    dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
+    return Recipe.from_dict(
+        {
+            "hardware": {"preset": "cpu"},
+            "model": dims.model_dump(),
+            "parallel": {"ep": ep, "ep_rank": ep_rank, "dp": ep},
+            "pipeline": {"pp": 1, "rank": 0, "micro_batches": 3},
+            "batch": {"seq_len": SEQ, "micro_batch_size": BATCH},
+            "budget": {"non_activation_bytes": 0},
+        }
+    )
+
+
+def _provisioned(rank: int, size: int) -> dict:
+    """The adaptive system on every rank; micro-batch 1 routes all pairs of layer 2 to rank 0."""
+    model = _model("glm4_moe", num_hidden_layers=4)
+    cm = model_cost(model)
+    recipe = _recipe(model, size, rank)
+    planned = TOKENS * 2 * recipe.spikes.normal_max_imbalance
+    capacity = int(1.05 * cm.activation_bytes(TOKENS, planned, SEQ))  # the planned routing fits, a 2x spike does not
+    recipe = recipe.model_copy(update={"hardware": recipe.hardware.model_copy(update={"capacity_bytes": capacity})})
+    prov = bgl.apply(model, recipe, cm)
+    batches = [_batch(rank + 10 * i) for i in range(3)]
+    try:
+        run_iteration(model, batches, prov.stage.schedule, prov, around=lambda step: _skew(model, 1.0 if step.micro_batch == 1 else 0.0, [2]))
+        events = {e.micro_batch: e for e in prov.events}
+        return dict(
+            escalated={mb: [x.layer for x in e.escalations] for mb, e in events.items()},
+            pairs={mb: {x.layer: x.local_pairs for x in e.escalations} for mb, e in events.items()},
+            over=[e.actual > e.budget for e in events.values()],
+            peak=prov.ledger.peak_device_bytes,
+            capacity=capacity,
+        )
+    finally:
+        prov.remove()
+
+
+def test_only_the_hot_rank_s_gate_escalates():
+    hot, cold = run_ranks(_provisioned, 2, timeout_s=60)
+    assert 2 in hot["escalated"][1] and hot["pairs"][1][2] == 2 * TOKENS * 2  # both ranks' pairs arrived here
+    assert 2 not in cold["escalated"][1]  # rank 1 received none of layer 2's pairs
+    for r in (hot, cold):
+        assert r["peak"] <= r["capacity"] and not any(r["over"])
+
+
+def test_recipe_must_name_the_group():
+    with pytest.raises(RankError, match="parallel.ep=1, parallel.ep_rank=0, but the model is expert-parallel over 2 ranks"):
+        run_ranks(_wrong_recipe, 2, timeout_s=60)
+
+
+def _wrong_recipe(rank: int, size: int) -> None:
+    model = _model("qwen3_moe")
+    bgl.apply(model, _recipe(model, 1, 0))

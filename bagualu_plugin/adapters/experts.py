@@ -142,7 +142,7 @@ def expert_fc2(
         if others is None:
             others = weighted_out.new_zeros(num_pairs, weighted_out.size(-1))
         weighted_out = others.index_put((perm,), weighted_out)
-    final_hidden_states = weighted_out.view(num_tokens, num_top_k, -1).sum(dim=1)
+    final_hidden_states = weighted_out.view(num_tokens, num_top_k, weighted_out.size(-1)).sum(dim=1)
     return final_hidden_states if dtype is None else final_hidden_states.to(dtype)
 
 
@@ -280,11 +280,15 @@ def bagualu_experts_forward(
     group = getattr(self, GROUP_ATTR, None)
     if group is not None:
         return group.forward(self, hidden_states, top_k_index, top_k_weights)
-    local = getattr(self, EP_ATTR, None)
-    if local is None:
+    if getattr(self, EP_ATTR, None) is None:
         return local_experts(self, hidden_states, top_k_index, top_k_weights, hidden_states.dtype)
+    return _through_runner(self, EXPERT_OPS, _emulated, hidden_states, top_k_index, top_k_weights)
 
-    lo, hi = local
+
+def _emulated(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """The emulated rank's experts (`set_expert_parallel`), as one recompute unit: the remote pairs
+    under their own checkpoint, then the local ones."""
+    lo, hi = getattr(self, EP_ATTR)
     # One node where the local and remote gradients of the hidden states meet, so they are summed
     # with each other before anything else is added (as the single gather of the one-pass forward).
     hidden_states = hidden_states.view_as(hidden_states)

@@ -144,7 +144,7 @@ class _Combine(torch.autograd.Function):
         pairs = back.new_empty(back.shape).index_put_((perm,), back)
         ctx.save_for_backward(top_k_index)
         ctx.route = route
-        return pairs.view(*top_k_index.shape, -1).sum(dim=1)
+        return pairs.view(*top_k_index.shape, back.size(-1)).sum(dim=1)
 
     @staticmethod
     def backward(ctx, grad):
