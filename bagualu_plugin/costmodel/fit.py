@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .graph import BlockGraph, OpSpec, TensorSpec
+from .graph import COMM_OPS, EXPERT_OPS, BlockGraph, OpSpec, TensorSpec
 from .linear import LinearForm, Load
 
 COEFFICIENTS = ("const", "per_token", "per_routed", "per_score", "per_position", "per_sequence", "per_single", "per_single_token")
@@ -82,20 +82,19 @@ class BlockSample:
     backward_s: dict[str, float]
 
 
-EXPERT_OPS = ("expert_fc1", "expert_act", "expert_fc2")
-
-
 def memory_basis(op: str, routed_independent: bool) -> list[str]:
-    """Expert ops scale with routed pairs (and with tokens only where pairs vary on their own);
-    everything else with tokens, score pairs (attention), positions (tables shared by the
-    sequences of a batch), sequences and single-sequence tokens (kernels that keep a view for one
-    sequence)."""
-    if op in EXPERT_OPS:
+    """Expert ops and expert parallelism's dispatch / combine scale with routed pairs (and with
+    tokens only where pairs vary on their own); everything else with tokens, score pairs
+    (attention), positions (tables shared by the sequences of a batch), sequences and
+    single-sequence tokens (kernels that keep a view for one sequence)."""
+    if op in EXPERT_OPS + COMM_OPS:
         return ["const", "per_token", "per_routed"] if routed_independent else ["const", "per_routed"]
     return ["const", "per_token", "per_score", "per_position", "per_sequence", "per_single", "per_single_token"]
 
 
 def time_basis(op: str) -> list[str]:
+    if op in COMM_OPS:  # the rows this rank sends (its tokens) and receives (its pairs)
+        return ["const", "per_token", "per_routed"]
     if op in EXPERT_OPS:
         return ["const", "per_routed"]
     return ["const", "per_token", "per_score"] if op == "attn_core" else ["const", "per_token"]

@@ -1,7 +1,7 @@
 """`bgl.profile`: fit the cost model of paper §IV to a real model by running it.
 
 A few forward/backward passes at different token counts, sequence lengths and (under expert
-parallelism) local routed pairs. In each, the Ledger records every saved storage with the op that
+parallelism, `bgl.expert_parallel`) local routed pairs. In each, the Ledger records every saved storage with the op that
 saved it, the op that made it and its size; wall clocks time each op forward (op-scope changes)
 and backward (autograd node hooks). `costmodel.fit` turns the samples into operator graphs whose
 bytes are exact and whose times are least-squares fits, for loads never profiled.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 from tqdm.auto import tqdm
 
 from ..adapters import Adapter, OpTracker, shared_arguments
-from ..adapters.experts import RUNNER_ATTR, set_expert_parallel
+from ..adapters.experts import RUNNER_ATTR
 from ..adapters.gate import GateMonitor, RoutingSkew
 from ..adapters.units import block_kind, block_units, unit_module
 from ..costmodel.fit import BlockSample, TensorSample, fit_block
@@ -117,20 +117,28 @@ class _ForwardClock:
 
 
 @contextmanager
-def _instrumented(adapter: Adapter, ep_size: int, ep_rank: int):
-    """The model as the plugin runs it: "bagualu" experts (fc1 / act / fc2), (emulated) expert
-    parallelism, op scopes and gate counts; everything is restored on exit."""
+def _instrumented(adapter: Adapter):
+    """The model as the plugin runs it: "bagualu" experts (fc1 / act / fc2), op scopes and gate
+    counts; everything is restored on exit."""
     model = adapter.model
     previous = adapter.config._experts_implementation
     with ExitStack() as stack:
         model.set_experts_implementation("bagualu")
         stack.callback(model.set_experts_implementation, previous)
-        set_expert_parallel(adapter, ep_size, ep_rank)
-        stack.callback(set_expert_parallel, adapter, 1, 0)
         tracker = OpTracker(adapter).install()
         stack.callback(tracker.remove)
-        monitor = stack.enter_context(GateMonitor(adapter, ep_size=ep_size, ep_rank=ep_rank))
+        monitor = stack.enter_context(GateMonitor(adapter))
         yield tracker, monitor
+
+
+def _skewed(adapter: Adapter, skew: float | None):
+    """Under expert parallelism, every rank moves `skew` of its routed pairs to rank 0's experts:
+    rank 0's local pairs grow by (ep - 1) x skew of the balanced share, every other rank's shrink by
+    skew, so they vary apart from the tokens on every rank. Nothing without a group or a skew."""
+    group = adapter.expert_group
+    if group is None or skew is None:
+        return nullcontext()
+    return RoutingSkew(adapter, skew, ep_size=group.size, ep_rank=0)
 
 
 def _check_token_counts(token_counts: Sequence[int], max_positions: int | None) -> list[int]:
@@ -151,8 +159,6 @@ def profile(
     model: torch.nn.Module,
     token_counts: Sequence[int],
     *,
-    ep_size: int = 1,
-    ep_rank: int = 0,
     skews: Sequence[float] = (0.0, 0.5),
     repeats: int = 3,
     hardware: HardwareSpec | str = "cpu",
@@ -163,34 +169,33 @@ def profile(
 
     Each token count T runs as 1, 2 and 4 sequences of T, T/2, T/4 tokens, so the per-sequence
     terms (attention scores, shared tables, single-sequence views) separate from the per-token
-    ones. Under (emulated) expert
-    parallelism each shape also runs with `skews` (fractions of routed pairs moved to local
-    experts) so that local routed pairs vary on their own. Memory is exact per run; times are
-    medians over `repeats` runs.
+    ones. Under expert parallelism (`bgl.expert_parallel`) every rank of the group calls it at
+    once (the forwards exchange tokens), and each shape also runs with `skews` (fractions of
+    routed pairs moved to rank 0's experts) so that local routed pairs vary on their own; the
+    model is this rank's. Memory is exact per run; times are medians over `repeats` runs.
     """
     adapter = Adapter(model)
     model = adapter.model
     counts = _check_token_counts(token_counts, getattr(adapter.config, "max_position_embeddings", None))
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if ep_size > 1 and len(set(skews)) < 2:
+    group = adapter.expert_group
+    if group is not None and len(set(skews)) < 2:
         raise ValueError(f"skews needs at least 2 different fractions under expert parallelism, got {skews!r}")
     hw = preset(hardware) if isinstance(hardware, str) else hardware
     shapes = [(b, t // b) for b in (1, 2, 4) for t in counts]
-    runs = [(b, length, s) for b, length in shapes for s in (skews if ep_size > 1 else (0.0,))]
+    runs = [(b, length, s) for b, length in shapes for s in (skews if group is not None else (None,))]
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     vocab = adapter.config.vocab_size
 
     samples: list[dict[int, BlockSample]] = []
-    with _instrumented(adapter, ep_size, ep_rank) as (tracker, monitor):
+    with _instrumented(adapter) as (tracker, monitor):
         for batch, seq_len, skew in tqdm(runs, desc="profiling", disable=not progress):
             ids = torch.randint(0, vocab, (batch, seq_len), generator=generator).to(device)
-            with ExitStack() as run:
-                if ep_size > 1:  # in every run, so every run saves the same tensors (its index copy too)
-                    run.enter_context(RoutingSkew(adapter, skew, ep_size=ep_size, ep_rank=ep_rank))
+            with _skewed(adapter, skew):  # in every run, so every run saves the same tensors (its index copy too)
                 samples.append(_measure(model, adapter, tracker, monitor, ids, repeats))
-    return _fit(samples, adapter, hw, ep_size)
+    return _fit(samples, adapter, hw)
 
 
 def _forward(model, ids, labels):
@@ -382,37 +387,33 @@ def _params(adapter: Adapter) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _fit(samples: list[dict[int, BlockSample]], adapter: Adapter, hw: HardwareSpec, ep_size: int) -> CostModel:
-    """One graph per block. Under emulated expert parallelism this process stands for one rank
-    and routes only its own tokens, so balanced routing puts T * top_k / ep pairs on its experts."""
+def _fit(samples: list[dict[int, BlockSample]], adapter: Adapter, hw: HardwareSpec) -> CostModel:
+    """One graph per block. Balanced routing puts T * top_k pairs on a rank's experts, also under
+    expert parallelism (each of ep ranks sends it 1/ep of its T * top_k)."""
     params = _params(adapter)
     shared_alone = adapter.family.shared_expert_alone
     blocks = {}
     for index, first in samples[0].items():
         units = standard_units(first.kind, first.ops, shared_alone)
         spans = standard_spans(first.kind, first.ops)
-        blocks[index] = fit_block([s[index] for s in samples], ep_size > 1, *params[index], units, spans)
-    return CostModel(blocks, hw, adapter.top_k / ep_size, name=adapter.family.model_type, source="profiled")
+        blocks[index] = fit_block([s[index] for s in samples], adapter.expert_group is not None, *params[index], units, spans)
+    return CostModel(blocks, hw, adapter.top_k, name=adapter.family.model_type, source="profiled")
 
 
 def measure_micro_batch(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    *,
-    ep_size: int = 1,
-    ep_rank: int = 0,
-    skew: float | None = None,
-    repeats: int = 3,
+    model: torch.nn.Module, input_ids: torch.Tensor, *, skew: float | None = None, repeats: int = 3
 ) -> tuple[int, dict[int, int], float]:
     """What one forward/backward micro-batch really costs, set up as `profile` runs the model:
     (saved bytes at the end of forward, local routed pairs per MoE layer, median wall seconds of
-    forward + backward). `skew`: a `RoutingSkew` fraction (expert parallelism only)."""
+    forward + backward). `skew`: a `RoutingSkew` fraction towards rank 0 (expert parallelism only;
+    every rank calls it at once)."""
     adapter = Adapter(model)
     model = adapter.model
+    if skew is not None and adapter.expert_group is None:
+        raise ValueError("skew needs an expert-parallel model (bgl.expert_parallel)")
     with ExitStack() as stack:
-        _, monitor = stack.enter_context(_instrumented(adapter, ep_size, ep_rank))
-        if skew is not None:
-            stack.enter_context(RoutingSkew(adapter, skew, ep_size=ep_size, ep_rank=ep_rank))
+        _, monitor = stack.enter_context(_instrumented(adapter))
+        stack.enter_context(_skewed(adapter, skew))
         ledger = Ledger.for_model(model)
         labels = input_ids.clone()
         with ledger.track():
