@@ -60,8 +60,6 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", required=True, metavar="FILE", help="where to write the cost model (JSON)")
     pr.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     pr.add_argument("--attention", choices=("sdpa", "eager"), default=None, help="default: the model's own")
-    pr.add_argument("--ep", type=int, default=1, metavar="SIZE", help="emulated expert-parallel size (default 1)")
-    pr.add_argument("--ep-rank", type=int, default=0, metavar="RANK")
     pr.add_argument("--repeats", type=int, default=3, help="timing repeats per run (median)")
     return p
 
@@ -139,7 +137,7 @@ def _profile(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise SystemExit(f"bagualu profile: --model {args.model}: cannot load a saved model offline ({exc})") from None
     try:
-        cm = profile(model.train(), args.tokens, ep_size=args.ep, ep_rank=args.ep_rank, repeats=args.repeats, progress=True)
+        cm = profile(model.train(), args.tokens, repeats=args.repeats, progress=True)
     except (UnsupportedModelError, ValueError) as exc:
         raise SystemExit(f"bagualu profile: {exc}") from None
     cm.save(args.out)
