@@ -1,9 +1,9 @@
 """Routing-spike schedules for demos and benchmarks (paper §II-B: 97.1% of iterations stay below
 1.2x expert-load imbalance, 2.9% spike up to 2.6x), from a recipe's `spikes` section.
 
-Imbalance is this rank's local routed pairs over the balanced share. Under (emulated) expert
-parallelism of `ep` ranks, moving a fraction f of the pairs routed elsewhere onto this rank's
-experts (`adapters.gate.RoutingSkew`) gives imbalance 1 + f (ep - 1).
+Imbalance is a rank's local routed pairs over the balanced share. Under expert parallelism of
+`ep` ranks, every rank moving a fraction f of its pairs routed elsewhere onto that rank's experts
+(`adapters.gate.RoutingSkew`) gives it imbalance 1 + f (ep - 1).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from bagualu_plugin.parallel import expert_parallel
 from bagualu_plugin.parallel.launch import RankError, run_ranks
 from bagualu_plugin.runtime.driver import run_iteration
 from bagualu_plugin.runtime.plan_runtime import PlanRuntime, apply_plan
+from bagualu_plugin.runtime.profiler import measure_micro_batch
 
 FAMS = sorted(FAMILIES)
 BATCH, SEQ = 2, 16
@@ -199,37 +200,45 @@ def test_one_rank_failing_stops_the_job():
         run_ranks(_fails_on_rank_1, 2, timeout_s=30)
 
 
-def _recipe(model, ep: int, ep_rank: int) -> Recipe:
+def _recipe(model, ep: int, ep_rank: int, pp: int = 1, micro_batches: int = 3) -> Recipe:
     dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
     return Recipe.from_dict(
         {
             "hardware": {"preset": "cpu"},
             "model": dims.model_dump(),
             "parallel": {"ep": ep, "ep_rank": ep_rank, "dp": ep},
-            "pipeline": {"pp": 1, "rank": 0, "micro_batches": 3},
+            "pipeline": {"pp": pp, "rank": 0, "micro_batches": micro_batches},
             "batch": {"seq_len": SEQ, "micro_batch_size": BATCH},
             "budget": {"non_activation_bytes": 0},
+            # fp8 is lossy; tensors of a tiny model are all below the default offload minimum
+            "strategies": {"offload": {"min_bytes": 0}},
         }
     )
 
 
-def _provisioned(rank: int, size: int) -> dict:
-    """The adaptive system on every rank; micro-batch 1 routes all pairs of layer 2 to rank 0."""
+def _gate(rank: int, size: int) -> dict:
+    """The adaptive system on each rank of 2, as pipeline rank 0 of 4 (1F1B, 6 micro-batches):
+    micro-batches 1 (warmup) and 4 (steady) route every pair of layer 2 to rank 0's experts."""
     model = _model("glm4_moe", num_hidden_layers=4)
-    cm = model_cost(model)
-    recipe = _recipe(model, size, rank)
-    planned = TOKENS * 2 * recipe.spikes.normal_max_imbalance
-    capacity = int(1.05 * cm.activation_bytes(TOKENS, planned, SEQ))  # the planned routing fits, a 2x spike does not
+    cm = bgl.profile(model, [32, 64, 128], repeats=1)  # on every rank at once
+    recipe = _recipe(model, size, rank, pp=4, micro_batches=6)
+    capacity = int(2.5 * cm.activation_bytes(TOKENS, seq_len=SEQ))  # rank 0 of 4 holds 4 micro-batches at its peak
     recipe = recipe.model_copy(update={"hardware": recipe.hardware.model_copy(update={"capacity_bytes": capacity})})
     prov = bgl.apply(model, recipe, cm)
-    batches = [_batch(rank + 10 * i) for i in range(3)]
+    spiking = (1, 4)
     try:
-        run_iteration(model, batches, prov.stage.schedule, prov, around=lambda step: _skew(model, 1.0 if step.micro_batch == 1 else 0.0, [2]))
+        # the spiking micro-batches skew in their forward (and their backward's recompute); the
+        # others run the same (no-op) hook, so they save the same tensors
+        spike = lambda step: _skew(model, 1.0 if step.micro_batch in spiking else 0.0, [2])  # noqa: E731
+        run_iteration(model, [_batch(rank + 10 * i) for i in range(6)], prov.stage.schedule, prov, around=spike)
         events = {e.micro_batch: e for e in prov.events}
+        planned = TOKENS * 2 * recipe.spikes.normal_max_imbalance
         return dict(
-            escalated={mb: [x.layer for x in e.escalations] for mb, e in events.items()},
-            pairs={mb: {x.layer: x.local_pairs for x in e.escalations} for mb, e in events.items()},
-            over=[e.actual > e.budget for e in events.values()],
+            escalated={mb: {x.layer: x.local_pairs for x in e.escalations} for mb, e in events.items()},
+            deferred={mb: {x.layer: x.local_pairs for x in e.deferred} for mb, e in events.items()},
+            budget={mb: (e.actual, e.budget) for mb, e in events.items()},
+            others=[(x.local_pairs > planned and x.overrun > 0) for e in events.values() for x in e.escalations + e.deferred
+                    if not (e.micro_batch in spiking and x.layer == 2)],
             peak=prov.ledger.peak_device_bytes,
             capacity=capacity,
         )
@@ -237,17 +246,112 @@ def _provisioned(rank: int, size: int) -> dict:
         prov.remove()
 
 
-def test_only_the_hot_rank_s_gate_escalates():
-    hot, cold = run_ranks(_provisioned, 2, timeout_s=60)
-    assert 2 in hot["escalated"][1] and hot["pairs"][1][2] == 2 * TOKENS * 2  # both ranks' pairs arrived here
-    assert 2 not in cold["escalated"][1]  # rank 1 received none of layer 2's pairs
+def test_only_the_hot_rank_s_gate_defers_and_escalates():
+    """Rank 0 receives both ranks' pairs of layer 2 (2x its balanced share): in warmup the later
+    warmup micro-batches give up what the spike needs, in steady its experts recompute. Rank 1
+    receives none of them: its gate does nothing for layer 2."""
+    hot, cold = run_ranks(_gate, 2, timeout_s=90)
+    assert hot["deferred"][1].get(2) == 2 * TOKENS * 2 and 2 not in hot["escalated"][1]
+    assert hot["escalated"][4].get(2) == 2 * TOKENS * 2
+    assert hot["budget"][4][0] <= hot["budget"][4][1]
+    for mb in (1, 4):
+        assert 2 not in cold["escalated"][mb] and 2 not in cold["deferred"][mb]
     for r in (hot, cold):
-        assert r["peak"] <= r["capacity"] and not any(r["over"])
+        assert all(r["others"])  # random-init routing is skewed too: any other decision really overran
+        assert r["peak"] <= r["capacity"]
+
+
+def _train(model, batches, schedule, provisioner, steps: int) -> list:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for it in range(steps):
+        spike = lambda step: _skew(model, 1.0 if (it, step.micro_batch) in {(1, 4), (2, 1)} else 0.0, [2])  # noqa: E731, B023
+        losses.append(run_iteration(model, batches, schedule, provisioner, around=spike))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def _adaptive_training(rank: int, size: int) -> dict:
+    """Three AdamW steps of the adaptive system against plain expert-parallel training of an
+    identical model, with recompute and offload allowed, then offload alone (the gate still
+    escalates by recomputing the spiking layer's experts)."""
+    out = {}
+    batches = [_batch(rank + 10 * i) for i in range(6)]
+    for allowed, factor in ((("recompute", "offload"), 1.6), (("offload",), 2.0)):
+        model, plain = _model("glm4_moe", num_hidden_layers=4), _model("glm4_moe", num_hidden_layers=4)
+        cm = bgl.profile(model, [32, 64, 128], repeats=1)
+        recipe = _recipe(model, size, rank, pp=4, micro_batches=6)
+        capacity = int(factor * cm.activation_bytes(TOKENS, seq_len=SEQ))
+        recipe = recipe.model_copy(update={
+            "hardware": recipe.hardware.model_copy(update={"capacity_bytes": capacity}),
+            "strategies": recipe.strategies.model_copy(update={"allowed": list(allowed)}),
+        })
+        prov = bgl.apply(model, recipe, cm)
+        try:
+            adaptive = _train(model, batches, prov.stage.schedule, prov, 3)
+            events = list(prov.events)
+        finally:
+            prov.remove()
+        reference = _train(plain, batches, prov.stage.schedule, None, 3)
+        out[allowed] = dict(
+            bitwise=all(torch.equal(a, b) for it_a, it_b in zip(adaptive, reference) for a, b in zip(it_a, it_b))
+            and all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters())),
+            trained=adaptive[0][0] != adaptive[-1][0],
+            strategies=sorted({s for e in events for s in e.plan.values()}),
+            mitigated=all(e.plan for e in events),
+            escalated=any(x.layer == 2 for e in events for x in e.escalations),
+            peak=prov.ledger.peak_device_bytes <= capacity,
+        )
+    return out
+
+
+def test_adaptive_training_is_bitwise_plain_expert_parallel_training():
+    for r in run_ranks(_adaptive_training, 2, timeout_s=120):
+        for allowed, x in r.items():
+            assert x["bitwise"] and x["trained"] and x["mitigated"] and x["peak"], (allowed, x)
+            assert x["strategies"] and set(x["strategies"]) <= set(allowed)
+        assert r[("recompute", "offload")]["escalated"] or r[("offload",)]["escalated"]
+
+
+def _profiled(rank: int, size: int, families: list[str]) -> dict:
+    """`bgl.profile` on every rank at once, then micro-batches at skews it never ran."""
+    out = {}
+    for family in families:
+        model = _model(family)
+        cm = bgl.profile(model, [32, 64, 128], repeats=1)
+        moe = cm.moe_layers
+        escalated = {OpId(i, n): "recompute" for i in moe for n in EXPERT_OPS}
+        checks = []
+        ids = _batch(rank)
+        for skew in (0.2, 0.9):
+            saved, routed, _ = measure_micro_batch(model, ids, skew=skew, repeats=0)
+            pairs = [routed[i] for i in moe]
+            with _skew(model, skew), GateMonitor(model) as monitor:
+                _, _, kept = _step(model, ids, escalated)
+            recomputed = cm.activation_bytes(TOKENS, [monitor.local_pairs()[i] for i in moe], SEQ, escalated)
+            checks.append((saved, cm.activation_bytes(TOKENS, pairs, SEQ), kept, recomputed, sum(pairs)))
+        out[family] = dict(checks=checks, pairs_per_token=cm.pairs_per_token)
+    return out
+
+
+def test_profile_under_expert_parallelism_predicts_unseen_skews():
+    families = ["gpt_oss", "qwen2_moe"]
+    hot, cold = run_ranks(_profiled, 2, families, timeout_s=120)
+    for family in families:
+        for r in (hot, cold):
+            assert r[family]["pairs_per_token"] == 2  # each rank's experts receive T * top_k balanced
+            for saved, predicted, kept, recomputed, _ in r[family]["checks"]:
+                assert saved == predicted and kept == recomputed, family
+        assert hot[family]["checks"][1][4] > hot[family]["checks"][0][4] > cold[family]["checks"][0][4]  # the skew moved pairs
 
 
 def test_recipe_must_name_the_group():
     with pytest.raises(RankError, match="parallel.ep=1, parallel.ep_rank=0, but the model is expert-parallel over 2 ranks"):
         run_ranks(_wrong_recipe, 2, timeout_s=60)
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match="parallel.ep=2, parallel.ep_rank=1, but the model is not expert-parallel"):
+        bgl.apply(model, _recipe(model, 2, 1))
 
 
 def _wrong_recipe(rank: int, size: int) -> None:

@@ -5,14 +5,14 @@ and how many landed on this rank's experts (S, the quantity the provisioner plan
 section 6b), and calls `on_gate` so a provisioner can escalate a layer's mitigation once the real
 routing is known (deferred planning, paper section V-A).
 
-`RoutingSkew` rewrites part of the routing onto this rank's experts, deterministically, to
+`RoutingSkew` rewrites part of the routing onto one rank's experts, deterministically, to
 reproduce the routing spikes of expert parallelism (paper section II-B) in tests, benchmarks and
 demos.
 
 Every family's router returns `(router_logits (T, E), top_k_weights (T, k), top_k_index (T, k))`;
 a forward hook on it runs after routing and before the experts in all supported families. Under
-real expert parallelism (`bgl.expert_parallel`) a rank learns its local pairs only when the
-counts have been exchanged: there the experts' dispatch calls the monitor (`GATE_ATTR`).
+expert parallelism (`bgl.expert_parallel`) a rank learns its local pairs only when the counts
+have been exchanged: there the experts' dispatch calls the monitor (`GATE_ATTR`).
 """
 
 from __future__ import annotations
@@ -56,17 +56,12 @@ def tokens_per_expert(top_k_index: torch.Tensor, num_experts: int) -> torch.Tens
 
 class _RouterHooks:
     """The subclass's `_hook(layer, module, args, output)` as a forward hook on the router of
-    each of `layers`, installed and removed together (also as a context manager), with this
-    expert-parallel rank's local expert range per layer."""
+    each of `layers`, installed and removed together (also as a context manager)."""
 
     prepend = False  # run ahead of the routers' other forward hooks
 
-    def __init__(self, adapter: Adapter, layers: list[Layer], ep_size: int, ep_rank: int):
+    def __init__(self, adapter: Adapter, layers: list[Layer]):
         self.adapter, self.layers = adapter, layers
-        self.local = {
-            layer.index: local_expert_range(adapter.num_experts, ep_size, ep_rank) for layer in self.layers
-        }
-        self.ep_size, self.ep_rank = ep_size, ep_rank
         self._handles: list[RemovableHandle] = []
 
     def install(self):
@@ -91,18 +86,17 @@ class _RouterHooks:
 class GateMonitor(_RouterHooks):
     """Per-MoE-layer routed counts, recorded at gate time as device tensors.
 
-    on_gate(layer_index, tokens_per_expert, local_pairs (0-dim)) is called in forward only, with
-    the (E,) counts of this rank's routing and the pairs on experts [ep_rank*E/ep, ...) of the
-    emulated group; under real expert parallelism with the (E/ep,) pairs each local expert
-    received from all ranks, and their sum (`ep_size`, `ep_rank` are then the group's):
-    when a checkpoint re-runs a layer during backward the routing is known already, so the hook
+    on_gate(layer_index, tokens_per_expert, local_pairs (0-dim)) is called in forward only: in
+    one process with the (E,) counts of the layer's routing, all of them local; under expert
+    parallelism with the (E/ep,) pairs each local expert received from all ranks, and their sum.
+    When a checkpoint re-runs a layer during backward the routing is known already, so the hook
     neither calls on_gate nor overwrites the records (decisions are never taken twice)."""
 
-    def __init__(self, adapter, ep_size: int = 1, ep_rank: int = 0, on_gate: OnGate | None = None):
+    def __init__(self, adapter, on_gate: OnGate | None = None):
         if on_gate is not None and not callable(on_gate):
             raise ValueError(f"on_gate must be callable or None, got {on_gate!r}")
         adapter = _adapter(adapter)
-        super().__init__(adapter, [layer for layer in adapter.layers if layer.moe], ep_size, ep_rank)
+        super().__init__(adapter, [layer for layer in adapter.layers if layer.moe])
         self.on_gate = on_gate
         self._counts: dict[int, torch.Tensor] = {}
         self._local: dict[int, torch.Tensor] = {}
@@ -123,10 +117,8 @@ class GateMonitor(_RouterHooks):
     def _hook(self, layer: Layer, module: nn.Module, args, output) -> None:
         if is_inside_backward() or layer.expert_parallel:
             return
-        top_k_index = _router_output(layer, output)[2]
-        counts = tokens_per_expert(top_k_index, self.adapter.num_experts)
-        local = self.local[layer.index]
-        self._record(layer, counts, counts[local.start : local.stop].sum())
+        counts = tokens_per_expert(_router_output(layer, output)[2], self.adapter.num_experts)
+        self._record(layer, counts, counts.sum())
 
     def _record(self, layer: Layer, counts: torch.Tensor, local_pairs: torch.Tensor) -> None:
         self._counts[layer.index] = counts
@@ -135,7 +127,8 @@ class GateMonitor(_RouterHooks):
             self.on_gate(layer.index, counts, local_pairs)
 
     def counts(self, layer: int) -> torch.Tensor:
-        """tokens_per_expert (E,) of MoE layer `layer` in the last forward (a device tensor)."""
+        """What MoE layer `layer`'s experts received in the last forward (a device tensor): (E,) per
+    expert, or (E/ep,) per local expert under expert parallelism."""
         if layer not in self._counts:
             recorded = sorted(self._counts) or "none yet"
             raise KeyError(f"no routing recorded for layer {layer}; recorded layers: {recorded}")
@@ -166,7 +159,9 @@ _HASH_RANGE = 1 << 32
 
 
 class RoutingSkew(_RouterHooks):
-    """Rewrite `fraction` of the (token, slot) pairs of each router output onto this rank's experts.
+    """Rewrite `fraction` of the (token, slot) pairs of each router output onto the experts of rank
+    `ep_rank` of an expert-parallel group of `ep_size` (every rank installs the same skew, so that
+    rank receives 1 + fraction (ep - 1) times its balanced share).
 
     Which pairs: a pure function of the flat pair position p = token * k + slot and the layer
     (`mask`), with no RNG state, so a checkpoint's recompute routes exactly as the forward did.
@@ -194,7 +189,9 @@ class RoutingSkew(_RouterHooks):
             bad = [i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or i not in moe]
             if bad:
                 raise ValueError(f"layers {bad} are not MoE layers; MoE layers: {sorted(moe)}")
-        super().__init__(adapter, [moe[i] for i in chosen], ep_size, ep_rank)
+        super().__init__(adapter, [moe[i] for i in chosen])
+        self.local = {layer.index: local_expert_range(adapter.num_experts, ep_size, ep_rank) for layer in self.layers}
+        self.ep_size = ep_size
 
     def _hook(self, layer: Layer, module: nn.Module, args, output):
         router_logits, top_k_weights, top_k_index = _router_output(layer, output)

@@ -7,6 +7,7 @@ error (an out-of-memory included) stops the job, and a deadlock fails instead of
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -43,7 +44,8 @@ def _rank_main(rank: int, size: int, port: int, timeout_s: float, threads: int, 
         results.put((rank, False, f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
         return
     dist.destroy_process_group()
-    results.put((rank, True, result))
+    # by value (plain pickle): the queue would share tensors by file descriptor, gone with this process
+    results.put((rank, True, pickle.dumps(result)))
 
 
 def run_ranks(fn: Callable, size: int, *args, timeout_s: float = 120.0, threads: int | None = None) -> list:
@@ -79,7 +81,7 @@ def run_ranks(fn: Callable, size: int, *args, timeout_s: float = 120.0, threads:
                 continue
             if not ok:
                 raise RankError(f"rank {rank} failed: {value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=30)
     finally:

@@ -7,7 +7,8 @@ their storage once, parameters and buffers (and views of them) cost nothing here
 static memory, and a storage stops counting the moment the last saved tensor object of it dies.
 
 On CPU "device memory" is what this ledger counts, plus the caller's ``static_bytes``; a simulated
-capacity turns "over capacity" into the same error a GPU raises. On CUDA the accounting is the
+capacity turns "over capacity" into the same error a GPU raises (or, with ``on_overrun="record"``,
+into a record read where every expert-parallel rank can agree on it). On CUDA the accounting is the
 same, and the caching allocator of the model's device can be read alongside it. There the
 allocator holds the source of an offload until its copy to the host has passed, so that source
 counts on the device while its copy is in flight.
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 Residency = Literal["device", "host"]
+OnOverrun = Literal["raise", "record"]
 _RESIDENCIES: tuple[Residency, ...] = ("device", "host")
 StorageKey = tuple[torch.device, int]
 
@@ -113,6 +115,14 @@ class Ledger:
     attributed to it and to whatever ``current_op()`` returns (an op id, hashable).
     ``source(tensor)`` names the op that made a newly saved storage (the profiler's provenance).
 
+    ``on_overrun``: what going over the simulated capacity does. "raise" (the default) raises
+    `SimulatedOutOfMemoryError` at the save that does not fit, as a GPU does. "record" keeps the
+    first such error in ``overrun`` (read it with `take_overrun`) and goes on counting, so the
+    step runs to its end with the capacity not enforced. Under expert parallelism every forward
+    and backward of an MoE layer is a collective: a rank that raised mid-forward would leave the
+    others blocked in the next all-to-all. With "record" the caller checks at a step boundary,
+    with every rank at once (the demo all-reduces it), and every rank raises at the same step.
+
     ``device``: the compute device (saved CPU tensors count as host memory under a CUDA one, the
     allocator is read there); by default the device of the excluded parameters, looked up again
     by `refresh` (a model moved with `.cuda()` after the ledger was made).
@@ -126,8 +136,10 @@ class Ledger:
     def __init__(self, *, capacity_bytes: int | None = None, static_bytes: int = 0,
                  exclude: Iterable[torch.Tensor] = (), current_op: Callable[[], object] = lambda: None,
                  source: Callable[[torch.Tensor], object] = lambda tensor: None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, on_overrun: OnOverrun = "raise"):
         self.capacity_bytes = capacity_bytes
+        self.on_overrun = on_overrun
+        self.overrun: SimulatedOutOfMemoryError | None = None
         self.static_bytes = static_bytes
         self.current_op = current_op
         self.source = source
@@ -203,7 +215,8 @@ class Ledger:
         The first record of a storage charges its full nbytes (a view keeps all of it alive) to the
         current op and micro-batch; later records of the same live storage add nothing. Offload and
         fp8 hooks call this for the form they keep (host copy, fp8 payload). Over the simulated
-        capacity it raises before counting anything.
+        capacity it raises before counting anything (``on_overrun="record"``: records the error
+        and counts it).
         """
         if residency not in _RESIDENCIES:
             raise ValueError(f"residency must be one of {_RESIDENCIES}, got {residency!r}")
@@ -256,6 +269,23 @@ class Ledger:
                     return
                 oldest = self._in_flight[0][1]
             oldest.synchronize()
+
+    @property
+    def on_overrun(self) -> OnOverrun:
+        return self._on_overrun
+
+    @on_overrun.setter
+    def on_overrun(self, mode: OnOverrun) -> None:
+        if mode not in ("raise", "record"):
+            raise ValueError(f"on_overrun must be 'raise' or 'record', got {mode!r}")
+        self._on_overrun = mode
+
+    def take_overrun(self) -> SimulatedOutOfMemoryError | None:
+        """The first save over the simulated capacity since the last call (``on_overrun="record"``;
+        None if there was none), forgotten here."""
+        with self._lock:
+            overrun, self.overrun = self.overrun, None
+        return overrun
 
     # ------------------------------------------------------------------ reading
 
@@ -326,10 +356,14 @@ class Ledger:
     def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
         live = self._bytes["device"] + self._in_flight_bytes
         if self.capacity_bytes is not None and self.static_bytes + live + nbytes > self.capacity_bytes:
-            raise SimulatedOutOfMemoryError(
+            error = SimulatedOutOfMemoryError(
                 capacity_bytes=self.capacity_bytes, static_bytes=self.static_bytes, live_bytes=live,
                 requested_bytes=nbytes, op=op, micro_batch=micro_batch,
             )
+            if self._on_overrun == "raise":
+                raise error
+            if self.overrun is None:  # "record": the first one, the save that would have failed
+                self.overrun = error
 
     def _group(self, by: Callable[[Record], object], residency: Residency) -> dict:
         if residency not in _RESIDENCIES:

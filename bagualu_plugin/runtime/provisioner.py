@@ -109,14 +109,14 @@ class _Forward:
 
 
 def _check_expert_group(adapter: Adapter, recipe: Recipe) -> None:
-    """Under real expert parallelism the recipe's EP size and rank are the group's: the cost
-    model and the planned pairs follow them."""
+    """The recipe's expert parallelism is the model's: the cost model, the planned pairs and the
+    gate's local pairs all follow the group the routed experts are sharded over."""
     group, par = adapter.expert_group, recipe.parallel
-    if group is not None and (par.ep, par.ep_rank) != (group.size, group.rank):
-        raise ValueError(
-            f"recipe parallel.ep={par.ep}, parallel.ep_rank={par.ep_rank}, but the model is expert-parallel over "
-            f"{group.size} ranks and this is rank {group.rank}: set them to the group's"
-        )
+    size, rank = (group.size, group.rank) if group is not None else (1, 0)
+    if (par.ep, par.ep_rank) != (size, rank):
+        where = f"expert-parallel over {size} ranks and this is rank {rank}" if group else "not expert-parallel"
+        hint = "set them to the group's" if group else "shard its experts first with bgl.expert_parallel(model, group)"
+        raise ValueError(f"recipe parallel.ep={par.ep}, parallel.ep_rank={par.ep_rank}, but the model is {where}: {hint}")
 
 
 class Provisioner:
@@ -146,8 +146,7 @@ class Provisioner:
             capacity_bytes=stage.capacity if recipe.hardware.simulated else None,
             static_bytes=stage.static_bytes,
         ).install()
-        par = recipe.parallel
-        self.gate = GateMonitor(self.runtime.adapter, par.ep, par.ep_rank, on_gate=self._on_gate).install()
+        self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate).install()
         self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
         # the latest micro-batches' events (a long run would otherwise grow without bound) and
         # running totals over all of them
