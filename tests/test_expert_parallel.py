@@ -175,7 +175,7 @@ def test_ledger_matches_cost_model_and_plans_may_differ_per_rank():
 
 def _bad_input(rank: int, size: int) -> list[str]:
     errors = []
-    for make in (lambda: _model("qwen3_moe", num_experts=6), lambda: expert_parallel(tiny_model("qwen3_moe"))):
+    for make in (lambda: _model("qwen3_moe", num_experts=7), lambda: expert_parallel(tiny_model("qwen3_moe"))):
         try:
             make()
         except ValueError as error:
@@ -184,8 +184,8 @@ def _bad_input(rank: int, size: int) -> list[str]:
 
 
 def test_bad_input_names_what_is_expected():
-    errors = run_ranks(_bad_input, 4, timeout_s=60)[0]
-    assert "does not divide num_experts=6" in errors[0]
+    errors = run_ranks(_bad_input, 2, timeout_s=60)[0]
+    assert "has 2 ranks, which does not divide num_experts=7" in errors[0]
     assert "experts_implementation='bagualu'" in errors[1]
 
 

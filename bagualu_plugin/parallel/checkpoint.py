@@ -1,5 +1,5 @@
 """Expert-parallel checkpoints: load an HF checkpoint so that each rank reads only its own experts,
-and save an expert-parallel model back as one HF checkpoint (issue 11).
+and save an expert-parallel model back as one HF checkpoint.
 
 `load_expert_parallel` builds the model on the meta device, shards it with `expert_parallel`, then
 materialises it from the safetensors files. A checkpoint written by transformers 5 `save_pretrained`
