@@ -537,6 +537,60 @@ def attn_core_fp32(ctx: Context):
             "grad error " + ", ".join(f"{k} {e:.2%}" for k, (_, e) in results.items()), ok)
 
 
+# ---------------------------------------------------------------- expert parallelism
+
+
+@check("expert parallelism: a group of one (NCCL on CUDA, gloo on CPU)")
+def expert_parallel_group_of_one(ctx: Context):
+    """The EP code path (dispatch, local experts, combine, gate at dispatch) over a real process
+    group of this one device: with one rank every expert sees the same rows as without EP, so
+    loss and gradients must be bitwise; the Ledger must equal the EP cost model."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from bagualu_plugin.adapters.gate import GateMonitor
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    backend = "nccl" if ctx.cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60), device_id=ctx.device if ctx.cuda else None)
+    try:
+        ids = ctx.ids(2, ctx.seq(64), seed=9)
+        plain = model_on(ctx, "glm4_moe")
+        plain.set_experts_implementation("bagualu")
+        reference = step(plain, ids)
+        model = model_on(ctx, "glm4_moe")
+        model.set_experts_implementation("bagualu")
+        bgl.expert_parallel(model)
+        cm = model_cost(model)
+        moe = cm.moe_layers
+        runtime = PlanRuntime(model).install()
+        errors = []
+        try:
+            for plan in (Plan(), Plan({OpId(i, n): "recompute" for i in moe for n in ("expert_fc1", "expert_act", "expert_fc2")})):
+                runtime.set_plan(plan)
+                model.zero_grad(set_to_none=True)
+                with GateMonitor(model) as monitor, runtime.forward():
+                    loss = model(input_ids=ids, labels=ids.clone()).loss
+                ctx.settle()
+                pairs = monitor.local_pairs()
+                predicted = cm.activation_bytes(ids.numel(), [pairs[i] for i in moe], ids.shape[1], plan)
+                errors.append(runtime.ledger.live_device_bytes - predicted)
+                loss.backward()
+                same = exact(reference, (loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]))
+                errors.append(0 if same else 1)
+        finally:
+            runtime.remove()
+    finally:
+        dist.destroy_process_group()
+    return (f"{backend}: keep and experts recomputed, loss and grads {'bitwise' if not errors[1] + errors[3] else 'DIFFER'}",
+            f"ledger - cost model: {errors[0]} B, {errors[2]} B", not any(errors))
+
+
 # ---------------------------------------------------------------- driver
 
 

@@ -47,14 +47,16 @@ RUNNER_ATTR = "expert_op_runner"  # on an experts module: optional runner(unit, 
 
 
 def expert_fc1(
-    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor
+    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, *, stable: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Up (or gate_up) projection of the routed pairs, grouped by expert. Returns (proj_out (S, 2I
     or I), expert_ids_g (S,) sorted expert ids, perm (S,) flat pair index of each row, offsets (E,)
-    int32 group ends)."""
+    int32 group ends). `stable`: keep the rows' order within an expert (expert parallelism: the
+    order they arrived in); the default is grouped_mm_experts_forward's sort, which is not stable
+    beyond 16 elements on CPU."""
     num_top_k = top_k_index.size(-1)
     num_experts = experts.num_experts
-    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1), stable=stable)
     selected_hidden_states_g = hidden_states[perm // num_top_k]
 
     # histc, as grouped_mm_experts_forward: float input on CPU/MPS, int elsewhere; ids >= E dropped.
@@ -152,8 +154,8 @@ def _run(experts: nn.Module, name: str, *args, **kwargs):
     return _through_runner(experts, (name,), OPS[name], *args, **kwargs)
 
 
-def _local(experts: nn.Module, hidden_states, top_k_index, top_k_weights, dtype):
-    proj_out, expert_ids_g, perm, offsets = _run(experts, "expert_fc1", hidden_states, top_k_index)
+def _local(experts: nn.Module, hidden_states, top_k_index, top_k_weights, dtype, stable):
+    proj_out, expert_ids_g, perm, offsets = _run(experts, "expert_fc1", hidden_states, top_k_index, stable=stable)
     act_out = _run(experts, "expert_act", proj_out)
     return _run(experts, "expert_fc2", act_out, expert_ids_g, perm, offsets, top_k_weights, dtype=dtype)
 
@@ -164,10 +166,11 @@ def local_experts(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     dtype: torch.dtype | None,
+    stable: bool = False,
 ) -> torch.Tensor:
     """expert_fc1, expert_act, expert_fc2 on the rows this module's experts receive: the routed
     experts' recompute unit (`costmodel.graph.EXPERT_OPS`), run as one through the runner."""
-    return _through_runner(experts, EXPERT_OPS, _local, hidden_states, top_k_index, top_k_weights, dtype)
+    return _through_runner(experts, EXPERT_OPS, _local, hidden_states, top_k_index, top_k_weights, dtype, stable)
 
 
 # --- expert parallelism ------------------------------------------------------------------------
