@@ -158,22 +158,22 @@ def _demo(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe)
     policies = args.policies or list(POLICIES)
+    par, pipe, spikes = recipe.parallel, recipe.pipeline, recipe.spikes
+    print(f"bagualu demo: starting {par.ep} expert-parallel ranks (one process each), profiling and pretraining", file=sys.stderr)
     try:
+        # the bar counts the hot rank's policy iterations, reported as they finish
         with tqdm(total=args.steps * len(policies), desc="policy iterations", unit="it") as bar:
             results = run_demo(recipe, args.steps, policies, seed=args.seed, progress=bar.update)
     except ValueError as exc:  # e.g. a capacity that cannot hold M0, found before training
         print(f"bagualu demo: {args.recipe}: {exc}", file=sys.stderr)
         return 2
     rows = summary(results)
-    spikes = recipe.spikes
     title = (
-        f"{args.recipe}: {args.steps} iterations x {recipe.pipeline.micro_batches} micro-batches of {recipe.batch.tokens} "
-        f"tokens, pipeline rank {recipe.pipeline.rank}/{recipe.pipeline.pp}, EP rank {recipe.parallel.ep_rank}/{recipe.parallel.ep}, "
+        f"{args.recipe}: {args.steps} iterations x {pipe.micro_batches} micro-batches of {recipe.batch.tokens} tokens per rank, "
+        f"pipeline rank {pipe.rank}/{pipe.pp}, EP rank {par.ep_rank} of {par.ep} processes (its memory; the job's tokens/s), "
         f"spikes in {spikes.spike_probability:.1%} of iterations up to {spikes.spike_max_imbalance}x"
     )
-    png = plot_timeline(
-        results, args.png, results[0].capacity_bytes, spikes.normal_max_imbalance, 2 * recipe.pipeline.micro_batches, title
-    )
+    png = plot_timeline(results, args.png, results[0].capacity_bytes, spikes.normal_max_imbalance, 2 * pipe.micro_batches, title)
     print(title)
     print(summary_table(rows))
     print(f"\nwrote {png}")
