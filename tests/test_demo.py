@@ -14,7 +14,6 @@ from bagualu_plugin import load_recipe
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.demo import PolicyRun, average_gradients, demo_stage, rank_batches, rank_model, rank_recipe, run_demo
 from bagualu_plugin.parallel.launch import run_ranks
-from bagualu_plugin.runtime.ledger import Ledger, SimulatedOutOfMemoryError
 from bagualu_plugin.spikes import imbalance_schedule
 
 RESTART_ITERATIONS = 1000  # so that the charge stands out of any timing noise
@@ -73,23 +72,6 @@ def test_policies_and_capacity_are_checked_before_starting_ranks():
     one = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"ep": 1, "dp": 1})})
     with pytest.raises(ValueError, match="parallel.ep >= 2"):
         run_demo(one, 1)
-
-
-def test_a_ledger_can_record_its_first_overrun_instead_of_raising():
-    kept = [torch.zeros(256) for _ in range(3)]  # 1 KiB each
-    ledger = Ledger(capacity_bytes=2500)
-    ledger.record(kept[0])
-    ledger.record(kept[1])
-    with pytest.raises(SimulatedOutOfMemoryError):
-        ledger.record(kept[2])  # the default: raise, as a GPU does
-    ledger.on_overrun = "record"
-    ledger.record(kept[2])
-    ledger.record(torch.zeros(512))
-    overrun = ledger.take_overrun()
-    assert overrun.requested_bytes == 1024 and overrun.live_bytes == 2048  # the first save that did not fit
-    assert ledger.take_overrun() is None and ledger.peak_device_bytes == 3 * 1024 + 2048  # and it went on counting
-    with pytest.raises(ValueError, match="on_overrun"):
-        ledger.on_overrun = "ignore"
 
 
 def _params(run: PolicyRun) -> list[torch.Tensor]:

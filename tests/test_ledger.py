@@ -418,3 +418,20 @@ def test_copies_in_flight_count_until_done_and_are_capped():
     assert ledger.live_device_bytes == 0 and ledger.peak_device_bytes == 160
     ledger.reset_peak()
     assert ledger.peak_device_bytes == 0
+
+
+def test_a_ledger_can_record_its_first_overrun_instead_of_raising():
+    kept = [torch.zeros(256) for _ in range(3)]  # 1 KiB each
+    ledger = Ledger(capacity_bytes=2500)
+    ledger.record(kept[0])
+    ledger.record(kept[1])
+    with pytest.raises(SimulatedOutOfMemoryError):
+        ledger.record(kept[2])  # the default: raise, as a GPU does
+    ledger.on_overrun = "record"
+    ledger.record(kept[2])
+    ledger.record(torch.zeros(512))
+    overrun = ledger.take_overrun()
+    assert overrun.requested_bytes == 1024 and overrun.live_bytes == 2048  # the first save that did not fit
+    assert ledger.take_overrun() is None and ledger.peak_device_bytes == 3 * 1024 + 2048  # and it went on counting
+    with pytest.raises(ValueError, match="on_overrun"):
+        ledger.on_overrun = "ignore"
