@@ -88,7 +88,8 @@ def test_good_recipe_values_and_defaults() -> None:
     b = r.budget
     assert (b.reserve_bytes, b.min_budget, b.non_activation_bytes) == (2 * 2**30, 2**30, "auto")
     minimal = Recipe.from_dict({k: GOOD[k] for k in ("hardware", "model", "pipeline", "batch")})
-    assert minimal.parallel.model_dump() == {"dp": 1, "tp": 1, "ep": 1, "ep_rank": 0}
+    assert minimal.parallel.model_dump() == {"dp": 1, "tp": 1, "ep": 1, "ep_rank": 0, "all_to_all": None}
+    assert not minimal.parallel.dispatches
     assert minimal.strategies.allowed == ["recompute", "offload", "fp8"]
     assert (minimal.strategies.fp8.block_size, minimal.strategies.offload.min_bytes) == (128, 2**20)
     assert (minimal.spikes.enabled, minimal.spikes.layers, minimal.telemetry.path) == (False, "all", None)

@@ -356,14 +356,16 @@ class Ledger:
     def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
         live = self._bytes["device"] + self._in_flight_bytes
         if self.capacity_bytes is not None and self.static_bytes + live + nbytes > self.capacity_bytes:
-            error = SimulatedOutOfMemoryError(
+            fields = dict(
                 capacity_bytes=self.capacity_bytes, static_bytes=self.static_bytes, live_bytes=live,
                 requested_bytes=nbytes, op=op, micro_batch=micro_batch,
             )
+            # raised as made: an error held in a local of this frame would keep the frame (and the
+            # forward's tensors above it) alive through the traceback's reference cycle
             if self._on_overrun == "raise":
-                raise error
+                raise SimulatedOutOfMemoryError(**fields)
             if self.overrun is None:  # "record": the first one, the save that would have failed
-                self.overrun = error
+                self.overrun = SimulatedOutOfMemoryError(**fields)
 
     def _group(self, by: Callable[[Record], object], residency: Residency) -> dict:
         if residency not in _RESIDENCIES:
