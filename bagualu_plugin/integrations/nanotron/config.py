@@ -1,0 +1,151 @@
+"""nanotron's `Config` with a `bagualu:` section, and the bagualu `Recipe` a config implies.
+
+nanotron reads YAML into dataclasses with dacite `strict=True`, so an extra section needs a
+`Config` subclass (the pattern of nanotron's DoReMi example); the launcher passes it as
+`config_class=`. The section holds only what nanotron does not know: the hardware, the model's
+dimensions for the cost model, and the recipe's budget, strategies, spikes and telemetry, either
+inline or as a recipe (a built-in name or a path). Pipeline size and rank, micro-batches, batch
+shape and dp/tp/ep come from nanotron's own sections; a recipe that repeats one of them must agree.
+
+The model's dimensions come from the recipe's `model` section, not from nanotron's `model_config`:
+nanotron's model configs (Llama, Starcoder2, Qwen2 with optional MoE, or a user's own) do not carry
+what the cost model needs (family, head_dim, shared experts, dense layers); the fields both name
+must agree.
+
+Every problem is an error while the config loads, before training starts: nanotron's `Config`
+runs `__post_init__` on load and again when `save_as_yaml` reloads what it wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...config import Recipe, RecipeError, load_recipe
+from ...planner import BudgetState
+from ...stage import Stage
+from .compat import import_nanotron
+
+_nanotron_config = import_nanotron()
+
+_INLINE = ("hardware", "model", "budget", "strategies", "spikes", "telemetry")
+# nanotron's fields that own recompute: main's `recompute_layer`, and `moe_layer_recompute` of
+# nanotron's MoE example configs. PyPI 0.4 has neither (dacite then rejects them as unknown keys).
+_RECOMPUTE_OWNERS = ("recompute_layer", "moe_layer_recompute")
+# Recipe model field -> nanotron model_config field, compared where the model config has it.
+_MODEL_FIELDS = {
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_key_value_heads",
+    "vocab_size": "vocab_size",
+    "num_experts": "moe_config.num_experts",
+    "top_k": "moe_config.top_k",
+    "moe_intermediate_size": "moe_config.moe_intermediate_size",
+}
+_SOURCE = "nanotron config"
+
+
+@dataclass
+class BagualuArgs:
+    """The `bagualu:` section. Disabled, it is inert: the run is stock nanotron."""
+
+    enabled: bool = False
+    recipe: str | None = None
+    hardware: str | dict | None = None
+    model: dict | None = None
+    budget: dict | None = None
+    strategies: dict | None = None
+    spikes: dict | None = None
+    telemetry: dict | None = None
+
+
+@dataclass
+class Config(_nanotron_config.Config):
+    """nanotron's `Config` plus `bagualu`; load with `get_config_from_file(path, config_class=Config)`."""
+
+    bagualu: BagualuArgs | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.bagualu is not None and self.bagualu.enabled:
+            check(self)
+
+
+def check(config: Config) -> None:
+    """Raise `RecipeError` for the first of: recompute owned by nanotron too, no recipe, a recipe
+    disagreeing with nanotron's sections, a pipeline stage whose capacity cannot hold M0."""
+    owners = [f"parallelism.{name}" for name in _RECOMPUTE_OWNERS if getattr(config.parallelism, name, False)]
+    if owners:
+        msg = f"bagualu.enabled and {' and '.join(owners)} both own recompute: turn one of them off"
+        raise RecipeError(_SOURCE, [("bagualu.enabled", msg)])
+    for rank in range(config.parallelism.pp):
+        stage = Stage.of(recipe_for(config, rank))
+        try:
+            BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup)
+        except ValueError as exc:
+            raise RecipeError(_SOURCE, [("bagualu.hardware.capacity_bytes", f"pipeline rank {rank}: {exc}")]) from None
+
+
+def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
+    """The recipe of pipeline rank `pp_rank` (expert-parallel rank `ep_rank`): the `bagualu`
+    section's sections with pipeline, batch and parallel taken from nanotron's sections."""
+    args = config.bagualu
+    if args is None:
+        raise RecipeError(_SOURCE, [("bagualu", "required, but missing")])
+    inline = {name: getattr(args, name) for name in _INLINE if getattr(args, name) is not None}
+    if args.recipe is not None and inline:
+        msg = f"give bagualu.recipe or inline sections, not both (inline: {', '.join(f'bagualu.{n}' for n in inline)})"
+        raise RecipeError(_SOURCE, [("bagualu.recipe", msg)])
+    if args.recipe is not None:
+        written = load_recipe(args.recipe)
+        source, prefix = args.recipe, ""
+        data = written.model_dump(exclude_unset=True)
+    elif "hardware" in inline:
+        source, prefix, data = _SOURCE, "bagualu.", inline
+    else:
+        raise RecipeError(_SOURCE, [("bagualu.recipe", "bagualu.enabled needs bagualu.recipe or an inline bagualu.hardware")])
+    par, tokens = config.parallelism, config.tokens
+    if tokens is None:
+        raise RecipeError(_SOURCE, [("tokens", "required with a bagualu section (sequence length, micro-batches), but missing")])
+    ours = {
+        "pipeline.pp": (par.pp, "parallelism.pp"),
+        "pipeline.micro_batches": (tokens.batch_accumulation_per_replica, "tokens.batch_accumulation_per_replica"),
+        "batch.seq_len": (tokens.sequence_length, "tokens.sequence_length"),
+        "batch.micro_batch_size": (tokens.micro_batch_size, "tokens.micro_batch_size"),
+        "parallel.dp": (par.dp, "parallelism.dp"),
+        "parallel.tp": (par.tp, "parallelism.tp"),
+        "parallel.ep": (getattr(par, "expert_parallel_size", 1), "parallelism.expert_parallel_size"),
+    }
+    model_config = config.model.model_config
+    for field, theirs in _MODEL_FIELDS.items():
+        value = _get(model_config, theirs)
+        if value is not None:
+            ours[f"model.{field}"] = (value, f"model.model_config.{theirs}")
+    problems = []
+    for path, (value, theirs) in ours.items():
+        section, field = path.split(".")
+        given = data.get(section, {}).get(field)
+        if given is not None and given != value:
+            problems.append((prefix + path, f"bagualu recipe {path}={given} disagrees with nanotron {theirs}={value}"))
+    if problems:
+        raise RecipeError(source, problems)
+    data = {
+        **data,
+        "pipeline": {**data.get("pipeline", {}), "pp": par.pp, "rank": pp_rank, "micro_batches": tokens.batch_accumulation_per_replica},
+        "batch": {"seq_len": tokens.sequence_length, "micro_batch_size": tokens.micro_batch_size},
+        "parallel": {**data.get("parallel", {}), "dp": par.dp, "tp": par.tp, "ep": ours["parallel.ep"][0], "ep_rank": ep_rank},
+    }
+    try:
+        return Recipe.from_dict(data, source)
+    except RecipeError as exc:
+        raise RecipeError(source, [(prefix + path if path else path, msg) for path, msg in exc.problems]) from None
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    """A field of a nanotron model config, a dataclass or (for configs nanotron has no class for) a dict."""
+    for name in dotted.split("."):
+        if obj is None:
+            return None
+        obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+    return obj
