@@ -84,7 +84,9 @@ def check(config: Config) -> None:
         try:
             BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup)
         except ValueError as exc:
-            raise RecipeError(_SOURCE, [("bagualu.hardware.capacity_bytes", f"pipeline rank {rank}: {exc}")]) from None
+            recipe = config.bagualu.recipe  # the capacity is the named recipe's, or the inline section's
+            source, path = (recipe, "hardware.capacity_bytes") if recipe else (_SOURCE, "bagualu.hardware.capacity_bytes")
+            raise RecipeError(source, [(path, f"pipeline rank {rank}: {exc}")]) from None
 
 
 def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
