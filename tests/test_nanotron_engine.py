@@ -1,0 +1,96 @@
+"""nanotron's real 1F1B engine, `PipelineBlock`s and P2P over gloo processes, with and without the
+Provisioner (`integrations.nanotron.engine`): a tiny HF Qwen3-MoE cut into pipeline stages
+(`integrations.nanotron.model`) trains one batch of 4 micro-batches on 2 and 4 pipeline ranks.
+Under a capacity that forces plans on the first ranks, losses and gradients equal the stock
+engine's bitwise, and each rank's Provisioner sees nanotron's warmup count and in-flight
+micro-batches. Every group has a 60 s collective timeout (`parallel.launch`)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("nanotron")
+
+import bagualu_plugin as bgl  # noqa: E402
+from bagualu_plugin.adapters import tiny_model  # noqa: E402
+from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
+from bagualu_plugin.config import Recipe  # noqa: E402
+from bagualu_plugin.costmodel import ModelDims  # noqa: E402
+from bagualu_plugin.parallel.launch import run_ranks  # noqa: E402
+
+M, BATCH, SEQ = 4, 2, 16
+
+
+def _model():
+    model = tiny_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[])
+    model.set_experts_implementation("bagualu")
+    return model
+
+
+def _recipe(model, pp: int, rank: int, capacity: int) -> Recipe:
+    dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
+    return Recipe.from_dict({
+        "hardware": {"preset": "cpu", "capacity_bytes": capacity},
+        "model": dims.model_dump(),
+        "pipeline": {"pp": pp, "rank": rank, "micro_batches": M},
+        "batch": {"seq_len": SEQ, "micro_batch_size": BATCH},
+        "budget": {"non_activation_bytes": 0},
+        "strategies": {"allowed": ["recompute"]},
+    })
+
+
+def _train(rank: int, size: int, plugin: bool) -> dict:
+    from bagualu_plugin.integrations.nanotron.compat import import_nanotron
+
+    import_nanotron()  # PyPI's nanotron 0.4 imports only so
+    from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine
+    from nanotron.parallel.pipeline_parallel.p2p import P2P
+    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+
+    from bagualu_plugin.integrations.nanotron.engine import BagualuPipelineEngine
+    from bagualu_plugin.integrations.nanotron.model import PipelineModel
+
+    model, last = _model(), size - 1
+    p2p = P2P(dist.group.WORLD, device=torch.device("cpu"))
+    stages = PipelineModel(model, p2p)
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(M)]
+    batch = [
+        {"input_ids": x if rank == 0 else TensorPointer(0), "labels": x.clone() if rank == last else TensorPointer(last)} for x in data
+    ]
+    out = {}
+    if plugin:
+        cost = model_cost(model).stage(size, rank)
+        keep = cost.activation_bytes(BATCH * SEQ, seq_len=SEQ)
+        prov = bgl.apply(model, _recipe(model, size, rank, int(1.6 * keep)), cost)  # rank r holds size - r in flight
+        engine = BagualuPipelineEngine(prov, BATCH * SEQ, SEQ)
+    else:
+        engine = OneForwardOneBackwardPipelineEngine()
+    try:
+        outputs = engine.train_batch_iter(model=stages, pg=p2p.pg, batch=batch, nb_microbatches=M, grad_accumulator=None)
+    finally:
+        if plugin:
+            events = list(prov.events)
+            prov.remove()
+    if plugin:
+        out["phases"] = {e.micro_batch: e.phase for e in events}
+        out["planned"] = sum(bool(e.plan) for e in events)
+        out["fits"] = all(e.actual <= e.budget for e in events)
+    out["losses"] = [o["loss"].detach() for o in outputs] if rank == last else []
+    out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_provisioner_inside_nanotron_s_engine_is_bitwise_stock(size):
+    plugin = run_ranks(_train, size, True, timeout_s=60)
+    stock = run_ranks(_train, size, False, timeout_s=60)
+    for rank, (ours, theirs) in enumerate(zip(plugin, stock)):
+        assert all(torch.equal(a, b) for a, b in zip(ours["losses"], theirs["losses"]))
+        assert ours["grads"].keys() == theirs["grads"].keys() and ours["grads"]
+        assert all(torch.equal(g, theirs["grads"][n]) for n, g in ours["grads"].items())
+        warmup = size - rank - 1  # nanotron's warmup forwards on this rank, which the Provisioner checked
+        assert [p for _, p in sorted(ours["phases"].items())] == ["warmup"] * warmup + ["steady"] * (M - warmup)
+        assert ours["fits"]
+    assert len(stock[-1]["losses"]) == M
+    assert plugin[0]["planned"] > 0  # the first rank holds the most micro-batches: it had to plan
