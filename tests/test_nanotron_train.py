@@ -1,5 +1,5 @@
-"""The launcher DESIGN.md §4 fixes, `torchrun -m bagualu_plugin.integrations.nanotron.train
---config-file X.yaml`, on 2 gloo processes: a tiny Qwen3-MoE checkpoint trained 2 iterations of 3
+"""The launcher, `torchrun -m bagualu_plugin.integrations.nanotron.train --config-file X.yaml`,
+on 2 gloo processes: a tiny Qwen3-MoE checkpoint trained 2 iterations of 3
 micro-batches over 2 pipeline ranks, stock (`bagualu.enabled: false`) and with the Provisioner
 under a capacity that forces plans on the first rank. Both write a metrics line per iteration; the
 losses (after an optimizer step, so gradients count too) are bitwise equal, the plugin's peaks lower."""
