@@ -545,16 +545,14 @@ def expert_parallel_group_of_one(ctx: Context):
     """The EP code path (dispatch, local experts, combine, gate at dispatch) over a real process
     group of this one device: with one rank every expert sees the same rows as without EP, so
     loss and gradients must be bitwise; the Ledger must equal the EP cost model."""
-    import socket
     from datetime import timedelta
 
     import torch.distributed as dist
 
     from bagualu_plugin.adapters.gate import GateMonitor
+    from bagualu_plugin.parallel.launch import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     backend = "nccl" if ctx.cuda else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             timeout=timedelta(seconds=60), device_id=ctx.device if ctx.cuda else None)

@@ -24,7 +24,8 @@ class RankError(RuntimeError):
     """A rank of `run_ranks` raised, exited, or ran past the deadline."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now (for a rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -60,7 +61,7 @@ def run_ranks(fn: Callable, size: int, *args, timeout_s: float = 120.0, threads:
     threads = threads or max(1, (os.cpu_count() or 1) // size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(r, size, port, timeout_s, threads, fn, args, results), daemon=True) for r in range(size)
     ]

@@ -91,12 +91,12 @@ def _optimizer(config: Config, params) -> torch.optim.Optimizer:
     )
 
 
-def train(config: Config, metrics: str | None) -> None:
-    """Run `tokens.train_steps` iterations on this process's pipeline rank (the group is initialised)."""
+def train(config: Config, device: torch.device, metrics: str | None) -> None:
+    """Run `tokens.train_steps` iterations on this process's pipeline rank, on `device` (the group
+    is initialised)."""
     rank, pp = dist.get_rank(), dist.get_world_size()
     check_supported(config, pp)
     tokens, last = config.tokens, pp - 1
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(config.general.seed)
     model = AutoModelForCausalLM.from_pretrained(
         str(config.model.init_method.path), local_files_only=True, experts_implementation="bagualu"
@@ -157,11 +157,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout: a rank that stops ends the job after it")
     args = parser.parse_args(argv)
     config = _nanotron_config.get_config_from_file(args.config_file, config_class=Config)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
-    train(config, args.metrics)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout_s))
+    train(config, device, args.metrics)
     dist.barrier()  # every rank is done: its metrics written, its last P2P send received
 
 
