@@ -64,7 +64,7 @@ def nanotron_dict(pp=2, dp=1, ep=1, seq_len=64, micro_batch_size=1, accumulation
 
 INLINE = {"enabled": True, "hardware": {"preset": "cpu", "capacity_bytes": "1GB"}, "model": MODEL, "budget": {"non_activation_bytes": 0}}
 DEMO = {"enabled": True, "recipe": "demo"}
-DEMO_SHAPE = {"pp": 4, "dp": 4, "ep": 4, "seq_len": 128, "accumulation": 4}
+DEMO_SHAPE = {"pp": 4, "dp": 1, "ep": 4, "seq_len": 128, "accumulation": 4}
 
 
 def load(tmp_path, data: dict, config_class=Config):
@@ -96,7 +96,8 @@ def test_recipe_takes_nanotron_sections(tmp_path):
     recipe = recipe_for(config, pp_rank=1, ep_rank=1)
     assert (recipe.pipeline.pp, recipe.pipeline.rank, recipe.pipeline.micro_batches) == (2, 1, 3)
     assert (recipe.batch.seq_len, recipe.batch.micro_batch_size) == (64, 2)
-    assert (recipe.parallel.dp, recipe.parallel.tp, recipe.parallel.ep, recipe.parallel.ep_rank) == (2, 1, 2, 1)
+    # nanotron's dp x ep replicas of the dense weights are the recipe's data parallelism
+    assert (recipe.parallel.dp, recipe.parallel.tp, recipe.parallel.ep, recipe.parallel.ep_rank) == (4, 1, 2, 1)
     assert recipe.model.hidden_size == 128 and recipe.hardware.capacity_bytes == 10**9
 
 
@@ -113,7 +114,8 @@ def test_recipe_by_name_agreeing(tmp_path):
         ({"pp": 2}, "bagualu recipe pipeline.pp=4 disagrees with nanotron parallelism.pp=2"),
         ({"accumulation": 8}, "pipeline.micro_batches=4 disagrees with nanotron tokens.batch_accumulation_per_replica=8"),
         ({"seq_len": 256}, "batch.seq_len=128 disagrees with nanotron tokens.sequence_length=256"),
-        ({"ep": 2}, "parallel.ep=4 disagrees with nanotron parallelism.expert_parallel_size=2"),
+        ({"ep": 2, "dp": 2}, "parallel.ep=4 disagrees with nanotron parallelism.expert_parallel_size=2"),
+        ({"dp": 2}, "parallel.dp=4 disagrees with nanotron parallelism.dp x parallelism.expert_parallel_size=8"),
     ],
 )
 def test_recipe_disagreeing_with_nanotron(tmp_path, change, message):

@@ -6,6 +6,12 @@ nanotron reads YAML into dataclasses with dacite `strict=True`, so an extra sect
 dimensions for the cost model, and the recipe's budget, strategies, spikes and telemetry, either
 inline or as a recipe (a built-in name or a path). Pipeline size and rank, micro-batches, batch
 shape and dp/tp/ep come from nanotron's own sections; a recipe that repeats one of them must agree.
+nanotron lays expert parallelism beside data parallelism (world = ep x pp x dp x tp), while a
+recipe's expert-parallel group lives inside its data-parallel one: the recipe's `parallel.dp` is
+nanotron's dp x expert_parallel_size, the replicas of the dense weights.
+
+`metrics_path` is the launcher's: one JSON line per iteration, written with the section enabled
+or not, so that stock and plugin runs compare.
 
 The model's dimensions come from the recipe's `model` section, not from nanotron's `model_config`:
 nanotron's model configs (Llama, Starcoder2, Qwen2 with optional MoE, or a user's own) do not carry
@@ -48,9 +54,11 @@ _SOURCE = "nanotron config"
 
 @dataclass
 class BagualuArgs:
-    """The `bagualu:` section. Disabled, it is inert: the run is stock nanotron."""
+    """The `bagualu:` section. Disabled, it is inert (the run is stock nanotron) but for
+    `metrics_path`."""
 
     enabled: bool = False
+    metrics_path: str | None = None
     recipe: str | None = None
     hardware: str | dict | None = None
     model: dict | None = None
@@ -110,14 +118,15 @@ def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
     par, tokens = config.parallelism, config.tokens
     if tokens is None:
         raise RecipeError(_SOURCE, [("tokens", "required with a bagualu section (sequence length, micro-batches), but missing")])
+    ep = getattr(par, "expert_parallel_size", 1)
     ours = {
         "pipeline.pp": (par.pp, "parallelism.pp"),
         "pipeline.micro_batches": (tokens.batch_accumulation_per_replica, "tokens.batch_accumulation_per_replica"),
         "batch.seq_len": (tokens.sequence_length, "tokens.sequence_length"),
         "batch.micro_batch_size": (tokens.micro_batch_size, "tokens.micro_batch_size"),
-        "parallel.dp": (par.dp, "parallelism.dp"),
+        "parallel.dp": (par.dp * ep, "parallelism.dp x parallelism.expert_parallel_size"),
         "parallel.tp": (par.tp, "parallelism.tp"),
-        "parallel.ep": (getattr(par, "expert_parallel_size", 1), "parallelism.expert_parallel_size"),
+        "parallel.ep": (ep, "parallelism.expert_parallel_size"),
     }
     model_config = config.model.model_config
     for field, theirs in _MODEL_FIELDS.items():
@@ -136,7 +145,7 @@ def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
         **data,
         "pipeline": {**data.get("pipeline", {}), "pp": par.pp, "rank": pp_rank, "micro_batches": tokens.batch_accumulation_per_replica},
         "batch": {"seq_len": tokens.sequence_length, "micro_batch_size": tokens.micro_batch_size},
-        "parallel": {**data.get("parallel", {}), "dp": par.dp, "tp": par.tp, "ep": ours["parallel.ep"][0], "ep_rank": ep_rank},
+        "parallel": {**data.get("parallel", {}), "dp": par.dp * ep, "tp": par.tp, "ep": ep, "ep_rank": ep_rank},
     }
     try:
         return Recipe.from_dict(data, source)
