@@ -371,7 +371,10 @@ def test_stage_split_and_static_bytes():
     cm = CostModel.from_config(_tiny(num_layers=8, first_k_dense=2, dense_intermediate_size=96), preset("h100"))
     first, last = cm.stage(4, 0), cm.stage(4, 3)
     assert list(first.blocks) == [-1, 0, 1] and first.moe_layers == []
-    assert list(last.blocks) == [6, 7, 8] and last.moe_layers == [6, 7]
+    assert list(last.blocks) == [-1, 6, 7, 8] and last.moe_layers == [6, 7]
+    # a later stage makes its layers' RoPE tables and position ids, and has no token ids or embedding
+    assert {t.name for t in last.blocks[-1].tensors} == {t.name for t in first.blocks[-1].tensors} - {"embed.ids"}
+    assert last.blocks[-1].dense_params == 0 < first.blocks[-1].dense_params
     with pytest.raises(ValueError, match="evenly"):
         cm.stage(3, 0)
     dense, expert = last.parameter_counts()

@@ -14,8 +14,9 @@ pytest.importorskip("nanotron")
 import bagualu_plugin as bgl  # noqa: E402
 from bagualu_plugin.adapters import tiny_model  # noqa: E402
 from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
+from bagualu_plugin.adapters.gate import GateMonitor  # noqa: E402
 from bagualu_plugin.config import Recipe  # noqa: E402
-from bagualu_plugin.costmodel import ModelDims  # noqa: E402
+from bagualu_plugin.costmodel import ModelDims, OpId  # noqa: E402
 from bagualu_plugin.parallel.launch import run_ranks  # noqa: E402
 
 M, BATCH, SEQ = 4, 2, 16
@@ -39,7 +40,7 @@ def _recipe(model, pp: int, rank: int, capacity: int) -> Recipe:
     })
 
 
-def _train(rank: int, size: int, plugin: bool) -> dict:
+def _train(rank: int, size: int, plugin: bool, capacity: float = 1.6) -> dict:
     from bagualu_plugin.integrations.nanotron.compat import import_nanotron
 
     import_nanotron()  # PyPI's nanotron 0.4 imports only so
@@ -62,8 +63,10 @@ def _train(rank: int, size: int, plugin: bool) -> dict:
     if plugin:
         cost = model_cost(model).stage(size, rank)
         keep = cost.activation_bytes(BATCH * SEQ, seq_len=SEQ)
-        prov = bgl.apply(model, _recipe(model, size, rank, int(1.6 * keep)), cost)  # rank r holds size - r in flight
+        prov = bgl.apply(model, _recipe(model, size, rank, int(capacity * keep)), cost)  # rank r holds size - r in flight
         engine = BagualuPipelineEngine(prov, BATCH * SEQ, SEQ)
+        pairs = []  # every gate's local pairs, in order: a micro-batch's forward runs its MoE layers in turn
+        gates = GateMonitor(model, on_gate=lambda layer, _, local: pairs.append(int(local))).install()
     else:
         engine = OneForwardOneBackwardPipelineEngine()
     try:
@@ -72,13 +75,23 @@ def _train(rank: int, size: int, plugin: bool) -> dict:
         if plugin:
             events = list(prov.events)
             prov.remove()
+            gates.remove()
     if plugin:
+        per = len(cost.moe_layers)
+        out["exact"] = [  # what each micro-batch kept, and the stage's cost model at its real routing and plan
+            (e.actual, cost.activation_bytes(BATCH * SEQ, pairs[i * per : (i + 1) * per], SEQ, _plan(e.plan)))
+            for i, e in enumerate(events)
+        ]
         out["phases"] = {e.micro_batch: e.phase for e in events}
         out["planned"] = sum(bool(e.plan) for e in events)
         out["fits"] = all(e.actual <= e.budget for e in events)
     out["losses"] = [o["loss"].detach() for o in outputs] if rank == last else []
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out
+
+
+def _plan(plan: dict[str, str]) -> dict:
+    return {OpId(int(op.split(".")[0]), op.split(".")[1]): strategy for op, strategy in plan.items()}
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -94,3 +107,12 @@ def test_the_provisioner_inside_nanotron_s_engine_is_bitwise_stock(size):
         assert ours["fits"]
     assert len(stock[-1]["losses"]) == M
     assert plugin[0]["planned"] > 0  # the first rank holds the most micro-batches: it had to plan
+
+
+def test_each_stage_keeps_what_its_cost_model_says_to_the_byte():
+    """Every rank's micro-batches, kept whole (ample capacity) or planned, at their real routing:
+    a stage's saved tensors (its RoPE tables shared by its layers, as HF shares them) are the
+    cost model's stage, to the byte."""
+    for capacity in (100.0, 1.6):
+        for rank in run_ranks(_train, 2, True, capacity, timeout_s=60):
+            assert rank["exact"] and all(actual == predicted for actual, predicted in rank["exact"])

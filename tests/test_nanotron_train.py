@@ -1,8 +1,11 @@
-"""The launcher, `torchrun -m bagualu_plugin.integrations.nanotron.train --config-file X.yaml`,
-on 2 gloo processes: a tiny Qwen3-MoE checkpoint trained 2 iterations of 3
-micro-batches over 2 pipeline ranks, stock (`bagualu.enabled: false`) and with the Provisioner
-under a capacity that forces plans on the first rank. Both write a metrics line per iteration; the
-losses (after an optimizer step, so gradients count too) are bitwise equal, the plugin's peaks lower."""
+"""The launcher, `torchrun -m bagualu_plugin.integrations.nanotron.train --config-file X.yaml`, on
+gloo processes: a saved tiny Qwen3-MoE checkpoint (4 MoE layers) trained 2 iterations of 4
+micro-batches, stock (`bagualu.enabled: false`, nanotron's own 1F1B engine) and with the
+Provisioner under a capacity that forces plans, over PP=2, PP=4 and PP=2 x EP=2. The losses after
+optimizer steps (so gradients count too) are bitwise equal; each rank's telemetry shows Algorithm
+1's budgets (rank r of pp runs pp - r - 1 warmup forwards); a routing spike on one rank's layers
+escalates on that rank only. Gradient reductions are checked against other layouts: EP=2 against
+DP=2, and tied embeddings over two pipeline ranks against one process."""
 
 from __future__ import annotations
 
@@ -21,19 +24,23 @@ from bagualu_plugin.adapters import save_tiny, tiny_model  # noqa: E402
 from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
 from bagualu_plugin.config import RecipeError  # noqa: E402
 from bagualu_plugin.costmodel import ModelDims  # noqa: E402
-from bagualu_plugin.integrations.nanotron.config import Config  # noqa: E402
+from bagualu_plugin.integrations.nanotron.compat import import_nanotron  # noqa: E402
+from bagualu_plugin.integrations.nanotron.config import Config, recipe_for  # noqa: E402
 from bagualu_plugin.integrations.nanotron.train import check_supported  # noqa: E402
+from bagualu_plugin.planner import BudgetState  # noqa: E402
+from bagualu_plugin.stage import Stage  # noqa: E402
 
-PP, M, BATCH, SEQ, STEPS = 2, 3, 2, 16, 2
+M, BATCH, SEQ, STEPS, LAYERS = 4, 2, 16, 2, 4
+TINY = {"num_hidden_layers": LAYERS, "mlp_only_layers": []}
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 _NANOTRON_MODEL_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
 
 
-def _config(checkpoint: Path, bagualu: dict | None = None, **parallelism) -> dict:
-    hf = tiny_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[]).config
-    data = {
+def _config(checkpoint: Path, bagualu: dict, pp: int = 2, ep: int = 1, dp: int = 1, tp: int = 1) -> dict:
+    hf = tiny_model("qwen3_moe", **TINY).config
+    return {
         "general": {"project": "test", "seed": 7},
-        "parallelism": {"dp": 1, "pp": PP, "tp": 1, "pp_engine": "1f1b", "expert_parallel_size": 1, **parallelism},
+        "parallelism": {"dp": dp, "pp": pp, "tp": tp, "pp_engine": "1f1b", "expert_parallel_size": ep},
         "model": {
             "init_method": {"path": str(checkpoint)},
             "model_config": {name: getattr(hf, name) for name in _NANOTRON_MODEL_FIELDS},
@@ -45,66 +52,152 @@ def _config(checkpoint: Path, bagualu: dict | None = None, **parallelism) -> dic
             "adam_beta1": 0.9, "adam_beta2": 0.95, "torch_adam_is_fused": False,
             "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_style": "linear"},
         },
+        "bagualu": bagualu,
     }
-    if bagualu is not None:
-        data["bagualu"] = bagualu
-    return data
 
 
-def _bagualu() -> dict:
-    """Enabled, with 1.6x the first stage's keep-all micro-batch: it holds PP in flight, so it plans."""
-    model = tiny_model("qwen3_moe", num_hidden_layers=4, mlp_only_layers=[])
-    keep = model_cost(model).stage(PP, 0).activation_bytes(BATCH * SEQ, seq_len=SEQ)
+def _bagualu(pp: int, enabled: bool = True, capacity: float = 1.6, **sections) -> dict:
+    """`capacity` x the first stage's keep-all micro-batch: it holds pp in flight, so it plans."""
+    model = tiny_model("qwen3_moe", **TINY)
+    keep = model_cost(model).stage(pp, 0).activation_bytes(BATCH * SEQ, seq_len=SEQ)
     return {
-        "enabled": True,
-        "hardware": {"preset": "cpu", "capacity_bytes": int(1.6 * keep)},
+        "enabled": enabled,
+        "hardware": {"preset": "cpu", "capacity_bytes": int(capacity * keep)},
         # without defaults: the empty tuples of a dump do not survive YAML
         "model": ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa").model_dump(exclude_defaults=True),
         "budget": {"non_activation_bytes": 0},
         "strategies": {"allowed": ["recompute"]},
+        **sections,
     }
 
 
-def _launch(tmp: Path, name: str, data: dict) -> list[dict]:
+def _launch(tmp: Path, name: str, data: dict) -> dict:
+    """Run the config; its metrics lines, each rank's telemetry events and the loaded config."""
+    par = data["parallelism"]
+    world = par["pp"] * par["dp"] * par["tp"] * par["expert_parallel_size"]
     config, metrics = tmp / f"{name}.yaml", tmp / f"{name}.jsonl"
+    data["bagualu"] = {**data["bagualu"], "metrics_path": str(metrics), "telemetry": {"path": str(tmp / f"{name}-events.jsonl")}}
     config.write_text(yaml.safe_dump(data))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(PP), "-m", "bagualu_plugin.integrations.nanotron.train",
-           "--config-file", str(config), "--metrics", str(metrics), "--timeout-s", "60"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(world), "-m", "bagualu_plugin.integrations.nanotron.train",
+           "--config-file", str(config), "--timeout-s", "60"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    events = {}
+    for rank in range(world):
+        path = tmp / f"{name}-events.rank{rank}.jsonl"
+        events[rank] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {
+        "metrics": [json.loads(line) for line in metrics.read_text().splitlines()],
+        "events": events,
+        "config": import_nanotron().get_config_from_file(str(config), config_class=Config),
+    }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("train")
-    checkpoint = save_tiny("qwen3_moe", tmp / "ckpt", num_hidden_layers=4, mlp_only_layers=[])
-    stock = _launch(tmp, "stock", _config(checkpoint, {"enabled": False}))
-    plugin = _launch(tmp, "plugin", _config(checkpoint, _bagualu()))
-    return stock, plugin
+def checkpoint(tmp_path_factory) -> Path:
+    return save_tiny("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "qwen3", **TINY)
 
 
-def test_stock_and_plugin_write_a_line_per_iteration_with_bitwise_equal_losses(runs):
-    stock, plugin = runs
-    assert [r["iteration"] for r in stock] == [r["iteration"] for r in plugin] == list(range(STEPS))
-    assert [r["loss"] for r in plugin] == [r["loss"] for r in stock]  # floats from JSON: exact
-    assert stock[0]["loss"] != stock[1]["loss"]  # the optimizer stepped
-    for ours, theirs in zip(plugin, stock):
-        assert len(ours["peak_device_bytes"]) == len(theirs["peak_device_bytes"]) == PP
+@pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
+def pipeline(request, checkpoint, tmp_path_factory):
+    pp, tmp = request.param, tmp_path_factory.mktemp(f"pp{request.param}")
+    stock = _launch(tmp, "stock", _config(checkpoint, _bagualu(pp, enabled=False), pp=pp))
+    plugin = _launch(tmp, "plugin", _config(checkpoint, _bagualu(pp), pp=pp))
+    return pp, stock, plugin
+
+
+def _same_losses(stock: dict, plugin: dict, world: int) -> None:
+    assert [r["iteration"] for r in stock["metrics"]] == [r["iteration"] for r in plugin["metrics"]] == list(range(STEPS))
+    assert [r["loss"] for r in plugin["metrics"]] == [r["loss"] for r in stock["metrics"]]  # floats from JSON: exact
+    assert stock["metrics"][0]["loss"] != stock["metrics"][1]["loss"]  # the optimizer stepped
+    for ours, theirs in zip(plugin["metrics"], stock["metrics"]):
+        assert len(ours["peak_device_bytes"]) == len(theirs["peak_device_bytes"]) == world
         assert all(p > 0 for p in ours["peak_device_bytes"] + theirs["peak_device_bytes"])
         assert ours["peak_device_bytes"][0] < theirs["peak_device_bytes"][0]  # the first rank planned
 
 
-@pytest.mark.parametrize(
-    ("parallelism", "field"),
-    [({"dp": 2}, "parallelism.dp"), ({"tp": 2}, "parallelism.tp"), ({"expert_parallel_size": 2}, "parallelism.expert_parallel_size")],
-)
-def test_unsupported_parallelism_is_refused_by_name(tmp_path, parallelism, field):
-    from bagualu_plugin.integrations.nanotron.compat import import_nanotron
+def test_pipeline_losses_are_bitwise_stock_and_the_first_rank_plans(pipeline):
+    pp, stock, plugin = pipeline
+    _same_losses(stock, plugin, pp)
+    assert not any(stock["events"].values())  # no Provisioner, no telemetry
+    assert plugin["events"][0][0]["plan"]  # the first rank's first micro-batch has mitigation
 
+
+def test_each_rank_budgets_by_algorithm_1(pipeline, checkpoint):
+    pp, _, plugin = pipeline
+    model = tiny_model("qwen3_moe", **TINY)
+    for rank in range(pp):
+        events = plugin["events"][rank]
+        assert len(events) == STEPS * M and all(e["live_after_backward"] is not None for e in events)
+        recipe = recipe_for(plugin["config"], rank)
+        stage = Stage.of(recipe, model_cost(model, recipe.hardware).stage(pp, rank), split=False)
+        first = BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup).budget(0)
+        for it in range(STEPS):
+            ours = events[it * M : (it + 1) * M]
+            assert [e["micro_batch"] for e in ours] == list(range(M))
+            assert sum(e["phase"] == "warmup" for e in ours) == min(pp - rank - 1, M)  # nanotron's warmup forwards
+            assert ours[0]["budget"] == first  # Algorithm 1 starts over each iteration
+            assert all(e["actual"] <= e["budget"] for e in ours)
+
+
+def _world_rank(ep_rank: int, pp_rank: int, pp: int) -> int:
+    return ep_rank * pp + pp_rank  # nanotron's layout: ranks = arange(world).reshape(ep, pp, dp, tp), dp = tp = 1
+
+
+def test_expert_parallel_spike_escalates_on_the_hot_rank_only(checkpoint, tmp_path):
+    """PP=2 x EP=2: stage 0's layers route up to 1.3x balanced onto expert-parallel rank 0's
+    experts, micro-batch 1 of each iteration 1.3-2x (the plans are made for 1.3x); stock sees the
+    same routing. Bitwise losses, and only world rank (ep 0, pp 0) escalates, at micro-batch 1."""
+    spikes = {
+        "enabled": True, "seed": 3, "spike_probability": 1.0, "normal_max_imbalance": 1.3, "spike_max_imbalance": 2.0,
+        "layers": [0, 1], "micro_batches": [1],
+    }
+    stock = _launch(tmp_path, "stock", _config(checkpoint, _bagualu(2, enabled=False, spikes=spikes), pp=2, ep=2))
+    plugin = _launch(tmp_path, "plugin", _config(checkpoint, _bagualu(2, capacity=1.3, spikes=spikes), pp=2, ep=2))
+    _same_losses(stock, plugin, 4)
+    escalated = {rank for rank, events in plugin["events"].items() if any(e["escalations"] for e in events)}
+    assert escalated == {_world_rank(0, 0, 2)}
+    hot = [e for e in plugin["events"][_world_rank(0, 0, 2)] if e["escalations"]]
+    assert 1 in {e["micro_batch"] for e in hot} and {x["layer"] for e in hot for x in e["escalations"]} <= {0, 1}
+
+
+def test_expert_parallel_gradients_match_data_parallel(checkpoint, tmp_path):
+    """The same 2 data replicas as EP=2 (experts sharded, dense gradients averaged over the group,
+    expert gradients from the all-to-all's backward) and as DP=2 (everything averaged): the same
+    training to float rounding."""
+    ep = _launch(tmp_path, "ep", _config(checkpoint, _bagualu(2, enabled=False), pp=2, ep=2))
+    dp = _launch(tmp_path, "dp", _config(checkpoint, _bagualu(2, enabled=False), pp=2, dp=2))
+    for a, b in zip(ep["metrics"], dp["metrics"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_tied_embeddings_over_two_stages_match_one_process(tmp_path):
+    """tie_word_embeddings: the first rank's embedding and the last rank's LM head are one weight;
+    its two gradients are summed, so two pipeline ranks train as one process does."""
+    tied = save_tiny("qwen3_moe", tmp_path / "tied", tie_word_embeddings=True, **TINY)
+    one = _launch(tmp_path, "one", _config(tied, _bagualu(1, enabled=False), pp=1))
+    two = _launch(tmp_path, "two", _config(tied, _bagualu(2, enabled=False), pp=2))
+    assert one["metrics"][1]["loss"] != one["metrics"][0]["loss"]
+    for a, b in zip(one["metrics"], two["metrics"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("change", "world", "field"),
+    [
+        ({"tp": 2}, 4, r"parallelism\.tp: tp=2"),
+        ({"dp": 2}, 2, r"parallelism: expert_parallel_size x pp x dp x tp = 4, but torchrun started 2"),
+        ({"bagualu": {"enabled": False, "spikes": {"enabled": True}}}, 2, r"bagualu\.spikes\.enabled: .*expert_parallel_size >= 2"),
+        ({"zero_stage": 1}, 2, r"optimizer\.zero_stage: zero_stage=1"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(tmp_path, change, world, field):
+    data = _config(tmp_path, change.pop("bagualu", {"enabled": False}), **{k: v for k, v in change.items() if k != "zero_stage"})
+    if "zero_stage" in change:
+        data["optimizer"]["zero_stage"] = change["zero_stage"]
     path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(_config(tmp_path, **parallelism)))
+    path.write_text(yaml.safe_dump(data))
     config = import_nanotron().get_config_from_file(str(path), config_class=Config)
-    with pytest.raises(RecipeError, match=field.replace(".", r"\.")):
-        check_supported(config, PP)
+    with pytest.raises(RecipeError, match=field):
+        check_supported(config, world)

@@ -9,7 +9,7 @@ different precision or placement) come from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from .linear import LinearForm, Load
@@ -154,6 +154,14 @@ class BlockGraph:
         for unit in (*self.units, *self.spans):
             if set(unit) - set(names):
                 raise ValueError(f"recompute unit or span {unit} names ops this {self.kind} block lacks")
+
+    def positions(self) -> BlockGraph:
+        """The embedding block as a later pipeline stage has it: no token ids and no weights, only
+        what the stage computes again for its own layers (RoPE tables, position ids, masks)."""
+        if self.kind != "embed":
+            raise ValueError(f"positions() is the embedding block's, not a {self.kind} block's")
+        ops = tuple(replace(op, inputs=()) for op in self.ops)
+        return replace(self, ops=ops, tensors=tuple(t for t in self.tensors if t.producer != INPUT), dense_params=0)
 
     @property
     def recompute_units(self) -> tuple[tuple[str, ...], ...]:

@@ -270,7 +270,8 @@ class CostModel:
     # pipeline stages and static memory ---------------------------------------------------------
     def stage(self, pp: int, rank: int) -> CostModel:
         """The blocks that rank `rank` of a `pp`-stage pipeline holds: an equal share of the
-        decoder layers, the embedding on the first stage, the LM head on the last."""
+        decoder layers, the embedding on the first stage, the LM head on the last. A later stage
+        makes the RoPE tables and position ids of its layers itself (`BlockGraph.positions`)."""
         layers = self.layers
         if pp < 1 or not 0 <= rank < pp:
             raise ValueError(f"need 0 <= rank < pp, got rank={rank}, pp={pp}")
@@ -279,7 +280,7 @@ class CostModel:
         n = len(layers) // pp
         keep = set(layers[rank * n : (rank + 1) * n])
         keep |= {i for i, b in self.blocks.items() if (b.kind == "embed" and rank == 0) or (b.kind == "head" and rank == pp - 1)}
-        blocks = {i: b for i, b in self.blocks.items() if i in keep}
+        blocks = {i: b if i in keep else b.positions() for i, b in self.blocks.items() if i in keep or b.kind == "embed"}
         return CostModel(blocks, self.hardware, self.pairs_per_token, f"{self.name} stage {rank}/{pp}", self.source)
 
     def parameter_counts(self) -> tuple[int, int]:

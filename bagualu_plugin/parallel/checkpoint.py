@@ -2,7 +2,8 @@
 and save an expert-parallel model back as one HF checkpoint.
 
 `load_expert_parallel` builds the model on the meta device, shards it with `expert_parallel`, then
-materialises it from the safetensors files. A checkpoint written by transformers 5 `save_pretrained`
+materialises it from the safetensors files; `load_pretrained` also leaves what a rank does not hold
+(another pipeline stage's layers) on the meta device, unread. A checkpoint written by transformers 5 `save_pretrained`
 holds the experts in the original per-expert layout (`experts.3.gate_proj.weight`), which
 transformers fuses into the 3-D parameters on load (`conversion_mapping`, `WeightConverter`); other
 checkpoints (gpt-oss) hold the fused tensors. Both are read through transformers' own conversion
@@ -19,6 +20,7 @@ which writes the full state with `save_pretrained` (reverting the same conversio
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from copy import deepcopy
 from pathlib import Path
@@ -76,40 +78,60 @@ def load_expert_parallel(path: str | Path, group: dist.ProcessGroup | None = Non
     world): every rank reads and holds only its experts (`expert_parallel`'s contiguous block), the
     rest of the model whole. dtype: None keeps the checkpoint's (config.dtype). Returns the model in
     training mode, running the "bagualu" experts implementation. Call it on every rank of `group`."""
+    return load_pretrained(path, expert_group=group or dist.group.WORLD, dtype=dtype)
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    expert_group: dist.ProcessGroup | None = None,
+    keep: Callable[[nn.Module], set[str]] | None = None,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Load the HF checkpoint directory `path` reading only what this rank holds, running the
+    "bagualu" experts implementation, in training mode. `expert_group`: shard the experts over it
+    (`expert_parallel`), else keep them whole; `keep(model)`: the state-dict names of the meta model
+    to materialise, e.g. a pipeline stage's, the others staying on the meta device (a kept tied
+    parameter is read from its partner's key). dtype: None keeps the checkpoint's."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"path {str(path)!r} has no config.json: expected a checkpoint directory written by save_pretrained")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype or config.dtype, experts_implementation=IMPLEMENTATION)
-    expert_parallel(model, group)
-    state = _read_state(model, path)
+    if expert_group is not None:
+        expert_parallel(model, expert_group)
     meta = model.state_dict()
     tied = model.all_tied_weights_keys  # target -> source: one of the two in the checkpoint is enough
     partner = {**{source: target for target, source in tied.items()}, **tied}
-    missing = {key for key in set(meta) - set(state) if partner.get(key) not in state}
+    wanted = set(meta) if keep is None else keep(model)
+    wanted |= {partner[key] for key in wanted if key in partner}
+    state = _read_state(model, path, wanted)
+    missing = {key for key in wanted - set(state) if partner.get(key) not in state}
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks parameters of the model: {sorted(missing)}")
     for key, tensor in state.items():
         if tensor.shape != meta[key].shape:
             raise ValueError(f"checkpoint {str(path)!r}: {key} has shape {tuple(tensor.shape)}, the model expects {tuple(meta[key].shape)}")
     model.load_state_dict({key: tensor.to(meta[key].dtype) for key, tensor in state.items()}, strict=False, assign=True)
-    model.tie_weights(missing_keys=set(meta) - set(state), recompute_mapping=False)
+    model.tie_weights(missing_keys=wanted - set(state), recompute_mapping=False)
     for tensor in model.state_dict(keep_vars=True).values():
         tensor._is_hf_initialized = True  # transformers' mark of a loaded tensor: initialize_weights leaves it alone
     for name, buffer in model.named_non_persistent_buffers():
         module, _, attr = name.rpartition(".")
         model.get_submodule(module).register_buffer(attr, torch.empty_like(buffer, device="cpu"), persistent=False)
     model.initialize_weights()  # computes the non-persistent buffers (RoPE inv_freq) as from_pretrained does
-    on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    on_meta = [name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta and name in wanted]
+    on_meta += [name for name, t in model.named_non_persistent_buffers() if t.is_meta]
     if on_meta:
-        raise ValueError(f"load_expert_parallel left tensors on the meta device: {on_meta}")
+        raise ValueError(f"load_pretrained left tensors on the meta device: {on_meta}")
     return model.train()
 
 
-def _read_state(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
-    """The model's state from the checkpoint, keys renamed and converted as by `from_pretrained`, each
-    sharded expert parameter read only for this rank's experts. Unknown keys are an error. Like
+def _read_state(model: nn.Module, path: Path, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """The `wanted` part of the model's state from the checkpoint, keys renamed and converted as by
+    `from_pretrained`, each sharded expert parameter read only for this rank's experts. Unknown keys
+    are an error. Like
     `from_pretrained`, it records the conversions used on the model, so that `save_pretrained`
     writes the layout the checkpoint had."""
     files = _checkpoint_files(path)
@@ -138,6 +160,8 @@ def _read_state(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
         keep = _local_expert_keys(targets, shards)
         for key, (target, pattern) in targets.items():
             group = shards.get(target)
+            if target not in wanted:
+                continue
             if pattern is None and group is None:
                 state[target] = handles[files[key]].get_tensor(key)
             elif pattern is None:

@@ -10,6 +10,9 @@ norm, and the model's `loss_function` is replaced by one that runs
 recompute region. The returned `logits` are then empty (batch x 0 x vocabulary), as with
 Liger-Kernel's fused loss: train on `.loss`. Without labels, or without gradients (evaluation,
 which saves nothing to mitigate), the forward is HF's own.
+
+An engine that runs the model's modules itself (a pipeline's last stage) calls the runner
+directly: `head_loss(model)` is it while installed, HF's head and loss function otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +28,16 @@ from ..adapters import Adapter
 from .chunked_loss import chunked_causal_lm_loss
 
 Region = Callable[[Callable, tuple, dict], torch.Tensor]  # runs forward(*args, **kwargs) as the plan says
+HEAD_ATTR = "_bagualu_head_loss"  # the installed runner, on the CausalLM
+
+
+def head_loss(model) -> Callable[..., torch.Tensor]:
+    """`loss(hidden, labels, **kwargs)` of the final norm's output `hidden`: the installed
+    runner (the plan's head region, the chunked loss), else `model`'s LM head and loss function."""
+    runner = getattr(model, HEAD_ATTR, None)
+    if runner is not None:
+        return runner
+    return lambda hidden, labels, **kwargs: model.loss_function(model.lm_head(hidden), labels, model.config.vocab_size, **kwargs)
 
 
 def install_loss_runner(adapter: Adapter, needed: Callable[[], bool], region: Region, chunk: int | None, stack: ExitStack) -> None:
@@ -60,21 +73,27 @@ def install_loss_runner(adapter: Adapter, needed: Callable[[], bool], region: Re
     def disarm(*_):
         state["armed"], state["hidden"] = False, None
 
+    vocab_size = adapter.config.vocab_size
+
+    def head_and_loss(h, y, **kw):
+        if chunk is not None:
+            return chunked_causal_lm_loss(h, lm_head, y, chunk, **kw)
+        return original(lm_head(h), y, vocab_size, **kw)
+
+    def runner(hidden, labels, **kwargs):
+        return region(head_and_loss, (hidden, labels), kwargs)
+
     def loss_function(logits, labels, vocab_size, **kwargs):
         hidden = state["hidden"]
         if hidden is None:
             return original(logits, labels, vocab_size, **kwargs)
         state["hidden"] = None
-
-        def head_and_loss(h, y, **kw):
-            if chunk is not None:
-                return chunked_causal_lm_loss(h, lm_head, y, chunk, **kw)
-            return original(lm_head(h), y, vocab_size, **kw)
-
-        return region(head_and_loss, (hidden, labels), kwargs)
+        return runner(hidden, labels, **kwargs)
 
     had, previous = "_loss_function" in model.__dict__, model.__dict__.get("_loss_function")
     model.loss_function = loss_function
+    setattr(model, HEAD_ATTR, runner)
+    stack.callback(delattr, model, HEAD_ATTR)
     stack.callback(lambda: setattr(model, "_loss_function", previous) if had else delattr(model, "_loss_function"))
     stack.callback(model.register_forward_pre_hook(arm, with_kwargs=True).remove)
     stack.callback(model.register_forward_hook(disarm).remove)

@@ -86,9 +86,9 @@ class _Live:
 
 def model_device(tensors: Iterable[torch.Tensor]) -> torch.device:
     """The device a model computes on: that of its first parameter off the CPU (a CUDA tensor's
-    device carries its index), else the CPU."""
+    device carries its index), else the CPU. Meta tensors (another pipeline stage's) compute nowhere."""
     for t in tensors:
-        if t.device.type != "cpu":
+        if t.device.type not in ("cpu", "meta"):
             return t.device
     return torch.device("cpu")
 

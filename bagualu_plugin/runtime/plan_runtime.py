@@ -170,6 +170,7 @@ class PlanRuntime:
     def forward(self) -> Iterator[Ledger]:
         """The saved-tensor hooks for the forward passes inside the block."""
         self.ledger.refresh()  # the model may have moved since (`.cuda()` after the runtime was built)
+        self.hooks.new_forward()  # also where no model forward runs (a pipeline stage runs its modules)
         with torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack):
             yield self.ledger
 

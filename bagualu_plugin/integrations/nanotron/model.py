@@ -1,12 +1,18 @@
 """A supported HF MoE causal LM as nanotron pipeline stages: the embedding, one `PipelineBlock`
-per decoder layer, and the final norm with the LM head and HF's causal-LM loss, each block
+per pipeline rank's decoder layers, and the final norm with the LM head and loss, each block
 running on the pipeline rank that holds it (layers split evenly and in order, as
 `CostModel.stage` splits them: the embedding on the first rank, the head on the last).
 
 The blocks run the HF model's own modules: the decoder layers with the model's rotary embedding
-and a causal mask, the loss with `ForCausalLMLoss` (shifted labels, mean over tokens), so a
-stage's saved tensors are the ones the cost model and the Provisioner know. The model is the
-whole HF model on every rank here; each block is only built and run on its rank.
+and a causal mask, the head with the model's loss function (HF's `ForCausalLMLoss`: shifted
+labels, mean over tokens) through `runtime.head.head_loss`, so a stage's saved tensors are the
+ones the cost model and the Provisioner know, and a plan's head region applies. Each rank builds
+and runs only its blocks; `stage_state` names what it must load (`parallel.load_pretrained`),
+the rest of the model staying on the meta device.
+
+Tied embeddings (`tie_word_embeddings`): the first stage's embedding and the last stage's LM head
+are one parameter in two processes; `tied_parameters` lists it on those two ranks, whose
+gradients the launcher sums, as Megatron-LM does for its embedding group.
 
 nanotron's batch contract: `input_ids` on the first rank and `labels` on the last are tensors,
 `TensorPointer`s to those ranks elsewhere; the model returns {"loss": ...} on the last rank.
@@ -16,9 +22,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.loss.loss_utils import ForCausalLMLoss
 
 from ...adapters import Adapter
+from ...runtime.head import head_loss
 from .compat import import_nanotron
 
 import_nanotron()
@@ -36,29 +42,63 @@ class _Embed(nn.Module):
         return {"hidden_states": self.embed_tokens(input_ids)}
 
 
-class _Layer(nn.Module):
-    """One decoder layer; positions, RoPE tables and the causal mask made here, as HF's decoder
-    makes them for a batch of full sequences without padding."""
+class _Decoder(nn.Module):
+    """A pipeline rank's decoder layers. Positions and RoPE tables are made once per micro-batch
+    and shared by the layers, as HF's decoder makes them for full sequences without padding (and
+    as the cost model counts them); the causal mask is the attention's own (`attention_mask=None`)."""
 
-    def __init__(self, adapter: Adapter, index: int):
+    def __init__(self, adapter: Adapter, layers: range):
         super().__init__()
-        self.layer, self.rotary_emb = adapter.layers[index].module, adapter.decoder.rotary_emb
+        self.layers = nn.ModuleList(adapter.layers[i].module for i in layers)
+        self.rotary_emb = adapter.decoder.rotary_emb
 
     def forward(self, hidden_states):
         position_ids = torch.arange(hidden_states.size(1), device=hidden_states.device).unsqueeze(0)
-        out = self.layer(
-            hidden_states, attention_mask=None, position_ids=position_ids, position_embeddings=self.rotary_emb(hidden_states, position_ids)
-        )
-        return {"hidden_states": out[0] if isinstance(out, tuple) else out}
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.layers:
+            out = layer(hidden_states, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings)
+            hidden_states = out[0] if isinstance(out, tuple) else out
+        return {"hidden_states": hidden_states}
 
 
 class _Head(nn.Module):
     def __init__(self, adapter: Adapter):
         super().__init__()
-        self.norm, self.lm_head, self.vocab_size = adapter.decoder.norm, adapter.model.lm_head, adapter.config.vocab_size
+        self.norm, self.lm_head = adapter.decoder.norm, adapter.model.lm_head
+        self._model = [adapter.model]  # in a list: not a submodule of the block
 
     def forward(self, hidden_states, labels):
-        return {"loss": ForCausalLMLoss(self.lm_head(self.norm(hidden_states)), labels, self.vocab_size)}
+        return {"loss": head_loss(self._model[0])(self.norm(hidden_states), labels)}
+
+
+def stage_layers(num_layers: int, pp: int, rank: int) -> range:
+    """The decoder layers of pipeline rank `rank`: an even, in-order split, as `CostModel.stage`'s."""
+    if num_layers % pp:
+        raise ValueError(f"the pipeline has {pp} ranks, which does not divide the model's {num_layers} decoder layers")
+    per = num_layers // pp
+    return range(rank * per, (rank + 1) * per)
+
+
+def stage_modules(model: nn.Module, pp: int, rank: int) -> list[nn.Module]:
+    """The modules pipeline rank `rank` runs: its decoder layers, the rotary embedding, the
+    embedding on the first rank, the final norm and LM head on the last."""
+    a = Adapter(model)
+    modules = [a.layers[i].module for i in stage_layers(len(a.layers), pp, rank)] + [a.decoder.rotary_emb]
+    if rank == 0:
+        modules.append(a.decoder.embed_tokens)
+    if rank == pp - 1:
+        modules += [a.decoder.norm, a.model.lm_head]
+    return modules
+
+
+def stage_state(pp: int, rank: int):
+    """For `parallel.load_pretrained(keep=...)`: the state-dict names of rank `rank`'s modules."""
+
+    def keep(model: nn.Module) -> set[str]:
+        held = {id(t) for m in stage_modules(model, pp, rank) for t in m.state_dict(keep_vars=True).values()}
+        return {name for name, t in model.state_dict(keep_vars=True).items() if id(t) in held}
+
+    return keep
 
 
 class PipelineModel(nn.Module):
@@ -69,8 +109,9 @@ class PipelineModel(nn.Module):
         super().__init__()
         adapter = Adapter(model)
         pp, layers = p2p.pg.size(), len(adapter.layers)
-        if layers % pp:
-            raise ValueError(f"the pipeline has {pp} ranks, which does not divide the model's {layers} decoder layers")
+        embed, head = adapter.decoder.embed_tokens.weight, adapter.model.lm_head.weight
+        self.tied = embed is head  # tie_word_embeddings, known on every rank
+        self._tied = [embed] if pp > 1 and self.tied and p2p.pg.rank() in (0, pp - 1) else []
 
         def block(builder, inputs: set[str], outputs: set[str], rank: int, **kwargs) -> PipelineBlock:
             b = PipelineBlock(p2p=p2p, module_builder=builder, module_kwargs={"adapter": adapter, **kwargs},
@@ -79,13 +120,18 @@ class PipelineModel(nn.Module):
             return b
 
         self.embed = block(_Embed, {"input_ids"}, {"hidden_states"}, 0)
-        self.layers = nn.ModuleList(
-            block(_Layer, {"hidden_states"}, {"hidden_states"}, i * pp // layers, index=i) for i in range(layers)
+        self.stages = nn.ModuleList(
+            block(_Decoder, {"hidden_states"}, {"hidden_states"}, r, layers=stage_layers(layers, pp, r)) for r in range(pp)
         )
         self.head = block(_Head, {"hidden_states", "labels"}, {"loss"}, pp - 1)
 
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """The parameters this rank shares with another pipeline rank (tied embeddings on the first
+        and last rank): their gradients are summed over the two."""
+        return self._tied
+
     def forward(self, input_ids, labels):
         hidden_states = self.embed(input_ids=input_ids)["hidden_states"]
-        for layer in self.layers:
-            hidden_states = layer(hidden_states=hidden_states)["hidden_states"]
+        for stage in self.stages:
+            hidden_states = stage(hidden_states=hidden_states)["hidden_states"]
         return self.head(hidden_states=hidden_states, labels=labels)

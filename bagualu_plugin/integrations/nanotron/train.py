@@ -1,25 +1,39 @@
 """`torchrun --nproc_per_node N -m bagualu_plugin.integrations.nanotron.train --config-file X.yaml`:
 train an HF MoE checkpoint with nanotron's pipeline engine, with the Provisioner in it when the
 config's `bagualu:` section is enabled (`BagualuPipelineEngine`), stock nanotron otherwise.
+Multi-node: `torchrun --nnodes N --node_rank R --nproc_per_node 8 --rdzv_backend c10d
+--rdzv_endpoint HOST:PORT -m ...`, the same command on every node.
 
-nanotron's `DistributedTrainer` cannot run on a CPU (its import needs flash_attn, it builds the model
-on CUDA, its FP32 gradient accumulator is CUDA-only), so this is a small loop of our own around
-nanotron's engine, P2P and `PipelineBlock`s; that is what lets the same run go on gloo and on NCCL.
+What runs on a CPU, over gloo, and why:
+- nanotron's `ParallelContext` makes the groups (world = ep x pp x dp x tp, its layout); the one
+  patch is `set_device`, a no-op without CUDA (the stock one calls `torch.cuda.set_device`, its
+  only CUDA call; its `backend="nccl"` assertion checks an argument, not the initialised group);
+- nanotron's `P2P`, `PipelineBlock`, `TensorPointer` and `OneForwardOneBackwardPipelineEngine`
+  run unchanged (they take the device and the group they are given);
+- nanotron's `DistributedTrainer` does not: its import needs flash_attn, it builds the model on
+  CUDA and its FP32 gradient accumulator is CUDA-only. This module is the small loop in its place.
 
-This first version:
-- runs pipeline parallelism only: one process per pipeline rank, the pipeline group is the world
-  (dp, tp and expert parallelism are refused: they need their groups and gradient all-reduces);
-- loads the checkpoint named by nanotron's `model.init_method.path` (`ExistingCheckpointInit`)
-  whole on every rank, in the checkpoint's dtype (`model.dtype` is not applied), and runs only the
-  rank's blocks (`PipelineModel`); loading only a rank's layers is a later step;
-- feeds synthetic tokens, seeded by `general.seed`, in [0, vocab) of the checkpoint, labels = inputs;
-- steps `torch.optim.AdamW` with nanotron's `optimizer:` section (learning rate, weight decay,
-  betas, eps; the learning rate stays constant) or torch's defaults without one.
+The loop:
+- each rank loads only its pipeline stage's weights (and, under expert parallelism, only its
+  experts) from the HF checkpoint at nanotron's `model.init_method.path`, in the checkpoint's
+  dtype (`model.dtype` is not applied); the rest of the model stays on the meta device;
+- feeds synthetic tokens seeded by `general.seed` in [0, vocab), labels = inputs, each of the
+  ep x dp data replicas its own micro-batches;
+- after nanotron's engine ran the micro-batches: tied embeddings' gradients summed between the
+  first and last pipeline rank; dense gradients averaged over the ep x dp replicas, expert
+  gradients (each already summed over the expert-parallel ranks by the all-to-all's backward)
+  summed over dp and divided by the same count; then `torch.optim.AdamW` steps with nanotron's
+  `optimizer:` section (learning rate, weight decay, betas, eps; constant learning rate);
+- `bagualu.spikes` (expert parallelism only): every rank skews each micro-batch's routing onto
+  expert-parallel rank 0's experts as the section's seeded schedule says (`spikes.imbalance_schedule`).
 
-`--metrics PATH`: rank 0 writes one JSON line per iteration, `{"iteration", "loss", "peak_device_bytes"}`:
-the loss is the sum of the last pipeline rank's micro-batch losses (nanotron divides each by the
-micro-batch count), the peaks the activation bytes each pipeline rank's Ledger saw (the Provisioner's
-with the plugin, one tracking the forwards without), so stock and plugin runs compare line by line.
+`bagualu.metrics_path`: rank 0 writes one JSON line per iteration, `{"iteration", "loss",
+"peak_device_bytes"}`: the loss is the mean over data replicas of the sum of the last pipeline
+rank's micro-batch losses (nanotron divides each by the micro-batch count), the peaks the
+activation bytes each rank's Ledger saw (the Provisioner's with the plugin, one tracking the
+forwards without), in world-rank order, so stock and plugin runs compare line by line. With
+`bagualu.telemetry.path` each rank writes its own Provisioner events to that path with
+`.rank<world rank>` before the suffix.
 """
 
 from __future__ import annotations
@@ -30,52 +44,83 @@ import json
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM
+from torch import nn
 
+from ...adapters import Adapter
 from ...adapters.costs import model_cost
-from ...config import RecipeError
+from ...adapters.gate import RoutingSkew
+from ...config import Recipe, RecipeError, Spikes
+from ...parallel.checkpoint import expert_shards, load_pretrained
 from ...runtime.ledger import Ledger
 from ...runtime.provisioner import apply
+from ...spikes import imbalance_schedule, skew_fraction
 from .compat import import_nanotron
 
 _nanotron_config = import_nanotron()
 
 from nanotron.config.models_config import ExistingCheckpointInit  # noqa: E402
+from nanotron.parallel.context import ParallelContext  # noqa: E402
 from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine  # noqa: E402
 from nanotron.parallel.pipeline_parallel.p2p import P2P  # noqa: E402
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
 
 from .config import Config, recipe_for  # noqa: E402
 from .engine import BagualuPipelineEngine  # noqa: E402
-from .model import PipelineModel  # noqa: E402
+from .model import PipelineModel, stage_state  # noqa: E402
 
 _SOURCE = "nanotron config"
+HOT_RANK = 0  # the expert-parallel rank spikes route onto
+
+
+class CPUParallelContext(ParallelContext):
+    """nanotron's `ParallelContext` on any device: `set_device` selects a GPU only where there is one."""
+
+    def set_device(self):
+        if torch.cuda.is_available():
+            super().set_device()
 
 
 def check_supported(config: Config, world_size: int) -> None:
-    """Raise `RecipeError` naming the first field this launcher cannot run yet."""
-    par = config.parallelism
-    problems = [
-        (f"parallelism.{name}", f"{name}={value}: only pipeline parallelism is supported yet, set it to 1")
-        for name, value in (("dp", par.dp), ("tp", par.tp), ("expert_parallel_size", getattr(par, "expert_parallel_size", 1)))
-        if value != 1
-    ]
-    if par.pp != world_size:
-        problems.append(("parallelism.pp", f"pp={par.pp}, but torchrun started {world_size} processes: they must be equal"))
+    """Raise `RecipeError` naming the first fields this launcher cannot run."""
+    par, ep = config.parallelism, getattr(config.parallelism, "expert_parallel_size", 1)
+    problems = []
+    if par.tp != 1:
+        problems.append(("parallelism.tp", f"tp={par.tp}: tensor parallelism is not supported, set it to 1"))
+    if ep * par.pp * par.dp * par.tp != world_size:
+        msg = f"expert_parallel_size x pp x dp x tp = {ep * par.pp * par.dp * par.tp}, but torchrun started {world_size} processes"
+        problems.append(("parallelism", f"{msg}: they must be equal"))
     if not isinstance(config.model.init_method, ExistingCheckpointInit):
         problems.append(("model.init_method.path", "required: the directory of the HF checkpoint to train"))
     if config.tokens is None:
         problems.append(("tokens", "required (sequence length, micro-batches, steps), but missing"))
     if config.optimizer is not None and config.optimizer.clip_grad is not None:
-        problems.append(("optimizer.clip_grad", "not supported yet (it needs the gradient norm over the pipeline ranks): set it to null"))
+        problems.append(("optimizer.clip_grad", "not supported (it needs the gradient norm over all ranks): set it to null"))
+    if config.optimizer is not None and config.optimizer.zero_stage != 0:
+        problems.append(("optimizer.zero_stage", f"zero_stage={config.optimizer.zero_stage}: only 0 is supported"))
     enabled = config.bagualu is not None and config.bagualu.enabled
     if enabled and not isinstance(par.pp_engine, OneForwardOneBackwardPipelineEngine):
         problems.append(("parallelism.pp_engine", "bagualu.enabled runs the Provisioner inside nanotron's 1F1B engine: set it to 1f1b"))
+    spikes = _spikes(config)
+    if spikes is not None and spikes.enabled and ep < 2:
+        msg = "routing spikes move pairs between expert-parallel ranks: they need expert_parallel_size >= 2"
+        problems.append(("bagualu.spikes.enabled", msg))
     if problems:
         raise RecipeError(_SOURCE, problems)
+
+
+def _spikes(config: Config) -> Spikes | None:
+    """The spike schedule's section: the recipe's when the plugin is enabled, else an inline one
+    (so that a stock run sees the same routing)."""
+    args = config.bagualu
+    if args is None:
+        return None
+    if args.enabled:
+        return recipe_for(config, 0).spikes
+    return Spikes.model_validate(args.spikes) if args.spikes is not None else None
 
 
 def _optimizer(config: Config, params) -> torch.optim.Optimizer:
@@ -91,56 +136,151 @@ def _optimizer(config: Config, params) -> torch.optim.Optimizer:
     )
 
 
-def train(config: Config, device: torch.device, metrics: str | None) -> None:
-    """Run `tokens.train_steps` iterations on this process's pipeline rank, on `device` (the group
+class _GradientSync:
+    """The gradient reductions nanotron's trainer would do, for the ranks this one shares weights
+    with. Every rank makes every group, in one order (`new_group` is collective)."""
+
+    def __init__(self, pc: ParallelContext, model: nn.Module, stages: PipelineModel, timeout: timedelta):
+        ranks, rank = pc.world_rank_matrix, dist.get_rank()  # [ep, pp, dp, tp]
+        ep, pp, dp, tp = ranks.shape
+        self.replicas = ep * dp
+
+        def mine(groups) -> dist.ProcessGroup | None:
+            found = None
+            for members in groups:
+                group = dist.new_group([int(r) for r in members], timeout=timeout)
+                if rank in members:
+                    found = group
+            return found
+
+        ends = [ranks[e, [0, pp - 1], d, t] for e in range(ep) for d in range(dp) for t in range(tp)]
+        self.tied = mine(ends) if pp > 1 and stages.tied else None
+        self.replica = mine([ranks[:, p, :, t].reshape(-1) for p in range(pp) for t in range(tp)]) if self.replicas > 1 else None
+        self.dp = pc.dp_pg if dp > 1 else None
+        experts = set(expert_shards(model))
+        held = [(name, p) for name, p in model.named_parameters() if not p.is_meta]
+        self.tied_params = stages.tied_parameters()
+        self.dense = [p for name, p in held if name not in experts]
+        self.experts = [p for name, p in held if name in experts]
+
+    def __call__(self) -> None:
+        if self.tied is not None and self.tied_params:
+            _all_reduce(self.tied_params, self.tied)
+        if self.replica is not None:
+            _all_reduce(self.dense, self.replica, self.replicas)
+            _all_reduce(self.experts, self.dp, self.replicas)
+
+
+def _all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None, divide: int = 1) -> None:
+    """Sum `params`' gradients over `group` (None: this rank alone) in one flat buffer, then divide."""
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if group is not None:
+        dist.all_reduce(flat, group=group)
+    if divide != 1:
+        flat /= divide
+    offset = 0
+    for p, g in zip(params, grads):
+        p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+        offset += g.numel()
+
+
+def _per_rank(recipe: Recipe, rank: int) -> Recipe:
+    """`recipe` with its telemetry file made this rank's: `path.rank<rank>.suffix`."""
+    path = recipe.telemetry.path
+    if not path:
+        return recipe
+    path = Path(path)
+    telemetry = recipe.telemetry.model_copy(update={"path": str(path.with_name(f"{path.stem}.rank{rank}{path.suffix}"))})
+    return recipe.model_copy(update={"telemetry": telemetry})
+
+
+def _install_spikes(spikes: Spikes, model: nn.Module, stages: PipelineModel, ep: int, iterations: int, micro_batches: int):
+    """Skew every forward's routing as the seeded schedule says (the same on every rank); a forward
+    pre-hook on the stages counts nanotron's forwards (one call per micro-batch on every rank)."""
+    adapter = Adapter(model)
+    local = [layer.index for layer in adapter.layers if layer.moe and not layer.module.input_layernorm.weight.is_meta]
+    moe = [layer.index for layer in adapter.layers if layer.moe]
+    schedule = imbalance_schedule(spikes, iterations, micro_batches, moe)
+    skews = {i: RoutingSkew(adapter, 0.0, ep, HOT_RANK, layers=[i]).install() for i in local}
+    forwards = iter(range(iterations * micro_batches))
+
+    def next_forward(*_):
+        n = next(forwards)
+        for layer, skew in skews.items():
+            skew.fraction = skew_fraction(min(schedule[n // micro_batches][n % micro_batches][layer], ep), ep)
+
+    stages.register_forward_pre_hook(next_forward)
+
+
+def _synthetic(config: Config, vocab: int, replica: int, replicas: int):
+    tokens = config.tokens
+    data = torch.Generator().manual_seed(config.general.seed)  # the same stream on every rank
+    shape, m = (tokens.micro_batch_size, tokens.sequence_length), tokens.batch_accumulation_per_replica
+    while True:
+        ids = [torch.randint(0, vocab, shape, generator=data) for _ in range(m * replicas)]
+        yield ids[replica * m : (replica + 1) * m]
+
+
+def train(config: Config, device: torch.device, timeout: timedelta) -> None:
+    """Run `tokens.train_steps` iterations on this process's ranks, on `device` (the default group
     is initialised)."""
-    rank, pp = dist.get_rank(), dist.get_world_size()
-    check_supported(config, pp)
-    tokens, last = config.tokens, pp - 1
+    rank, world = dist.get_rank(), dist.get_world_size()
+    check_supported(config, world)
+    par, tokens = config.parallelism, config.tokens
+    ep = getattr(par, "expert_parallel_size", 1)
+    pc = CPUParallelContext(par.tp, par.pp, par.dp, ep)
+    pp_rank, ep_rank, dp_rank = dist.get_rank(pc.pp_pg), dist.get_rank(pc.expert_pg), dist.get_rank(pc.dp_pg)
+    last, m = par.pp - 1, tokens.batch_accumulation_per_replica
     torch.manual_seed(config.general.seed)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(config.model.init_method.path), local_files_only=True, experts_implementation="bagualu"
-    ).to(device)
-    model.train()
-    p2p = P2P(dist.group.WORLD, device)
-    stages = PipelineModel(model, p2p)
-    optimizer = _optimizer(config, model.parameters())
+    model = load_pretrained(
+        config.model.init_method.path, expert_group=pc.expert_pg if ep > 1 else None, keep=stage_state(par.pp, pp_rank)
+    )
+    p2p = P2P(pc.pp_pg, device)
+    stages = PipelineModel(model, p2p).to(device)
+    sync = _GradientSync(pc, model, stages, timeout)
+    optimizer = _optimizer(config, [p for p in model.parameters() if not p.is_meta])
 
     prov = None
     if config.bagualu is not None and config.bagualu.enabled:
-        recipe = recipe_for(config, rank)
-        prov = apply(model, recipe, model_cost(model, recipe.hardware).stage(pp, rank))
+        recipe = _per_rank(recipe_for(config, pp_rank, ep_rank), rank)
+        prov = apply(model, recipe, model_cost(model, recipe.hardware).stage(par.pp, pp_rank))
         engine, ledger = BagualuPipelineEngine(prov, tokens.micro_batch_size * tokens.sequence_length, tokens.sequence_length), prov.ledger
     else:
-        engine, ledger = config.parallelism.pp_engine, Ledger.for_model(model)
+        engine, ledger = par.pp_engine, Ledger.for_model(model)
+    spikes = _spikes(config)
+    if spikes is not None and spikes.enabled:
+        _install_spikes(spikes, model, stages, ep, tokens.train_steps, m)
 
-    data = torch.Generator().manual_seed(config.general.seed)  # the same stream on every rank
-    shape, vocab, m = (tokens.micro_batch_size, tokens.sequence_length), model.config.vocab_size, tokens.batch_accumulation_per_replica
+    batches = _synthetic(config, model.config.vocab_size, ep_rank * par.dp + dp_rank, sync.replicas)
+    metrics = config.bagualu.metrics_path if config.bagualu is not None else None
     out = open(metrics, "w") if metrics and rank == 0 else None  # noqa: SIM115 - open for the whole run
     try:
         for iteration in range(tokens.train_steps):
-            ids = [torch.randint(0, vocab, shape, generator=data) for _ in range(m)]
             batch = [
                 {
-                    "input_ids": x.to(device) if rank == 0 else TensorPointer(0),
-                    "labels": x.to(device) if rank == last else TensorPointer(last),
+                    "input_ids": x.to(device) if pp_rank == 0 else TensorPointer(0),
+                    "labels": x.to(device) if pp_rank == last else TensorPointer(last),
                 }
-                for x in ids
+                for x in next(batches)
             ]
             ledger.reset_peak()
             with ledger.track() if prov is None else contextlib.nullcontext():  # the Provisioner tracks its own
-                outputs = engine.train_batch_iter(model=stages, pg=p2p.pg, batch=batch, nb_microbatches=m, grad_accumulator=None)
+                outputs = engine.train_batch_iter(model=stages, pg=pc.pp_pg, batch=batch, nb_microbatches=m, grad_accumulator=None)
+            sync()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
             loss = torch.zeros((), dtype=torch.float64, device=device)
-            if rank == last:
+            if pp_rank == last:
                 loss += sum(o["loss"].detach() for o in outputs)  # the fp32 sum, exact in float64
-            dist.broadcast(loss, src=last)
-            peaks = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(pp)]
+            dist.all_reduce(loss)
+            peaks = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world)]
             dist.all_gather(peaks, torch.tensor(ledger.peak_device_bytes, dtype=torch.int64, device=device))
             if out is not None:
-                line = {"iteration": iteration, "loss": loss.item(), "peak_device_bytes": [int(p) for p in peaks]}
+                line = {"iteration": iteration, "loss": loss.item() / sync.replicas, "peak_device_bytes": [int(p) for p in peaks]}
                 out.write(json.dumps(line) + "\n")
                 out.flush()
     finally:
@@ -153,15 +293,15 @@ def train(config: Config, device: torch.device, metrics: str | None) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-file", required=True, help="nanotron YAML, optionally with a bagualu: section")
-    parser.add_argument("--metrics", help="rank 0 writes one JSON line per iteration here")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout: a rank that stops ends the job after it")
     args = parser.parse_args(argv)
     config = _nanotron_config.get_config_from_file(args.config_file, config_class=Config)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=args.timeout_s))
-    train(config, device, args.metrics)
+    timeout = timedelta(seconds=args.timeout_s)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+    train(config, device, timeout)
     dist.barrier()  # every rank is done: its metrics written, its last P2P send received
 
 
