@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from .config import RecipeError, load_recipe
 from .costmodel import MITIGATIONS, Curve
+from .families import FAMILIES
 from .report import plot_curves, plot_timeline, table
 from .stage import Stage
 from .units import fmt_bytes, fmt_seconds
@@ -61,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     pr.add_argument("--attention", choices=("sdpa", "eager"), default=None, help="default: the model's own")
     pr.add_argument("--repeats", type=int, default=3, help="timing repeats per run (median)")
+
+    t = sub.add_parser("tiny-checkpoint", help="write a tiny random-init MoE checkpoint and a character-level tokenizer (offline)")
+    t.add_argument("family", choices=sorted(FAMILIES), metavar="FAMILY", help=f"one of {', '.join(sorted(FAMILIES))}")
+    t.add_argument("directory", metavar="DIR", help="where to save_pretrained the model and the tokenizer")
+    t.add_argument("--layers", type=_positive("--layers"), default=None, help="decoder layers (default: the family's tiny default)")
+    t.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
     return p
 
 
@@ -103,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _profile(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "tiny-checkpoint":
+            return _tiny_checkpoint(args)
         return _curve(args)
     except RecipeError as exc:
         print(exc, file=sys.stderr)
@@ -148,6 +157,21 @@ def _profile(args: argparse.Namespace) -> int:
     ]
     print(table(["op", "Δt_f", "Δt_b", "Δm"], rows))
     print(f"\nat T = {top}: {fmt_bytes(cm.activation_bytes(top, seq_len=top))} saved for backward; wrote {args.out}")
+    return 0
+
+
+def _tiny_checkpoint(args: argparse.Namespace) -> int:
+    from .adapters.tiny import save_tiny, tiny_tokenizer
+
+    overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    directory = save_tiny(args.family, args.directory, seed=args.seed, **overrides)
+    tokenizer = tiny_tokenizer()
+    tokenizer.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    print(
+        f"wrote {directory}: a tiny {args.family} checkpoint ({config['num_hidden_layers']} layers, vocab {config['vocab_size']}, "
+        f"seed {args.seed}) and a character-level tokenizer ({len(tokenizer)} tokens)"
+    )
     return 0
 
 

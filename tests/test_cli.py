@@ -115,3 +115,21 @@ def test_curve_judges_headroom_against_the_usable_capacity(tmp_path, capsys):
     assert doc["curves"][0]["peak_bytes"] > 58 * 2**30 and not doc["curves"][0]["fits"]
     assert main(["curve", str(recipe), "--png", str(tmp_path / "c.png")]) == 0
     assert "balanced routing: 7 warmup F" in (out := capsys.readouterr().out) and "OUT OF MEMORY by 584.65 MiB" in out
+
+
+def test_tiny_checkpoint_writes_a_model_and_a_tokenizer(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = tmp_path / "tiny"
+    assert main(["tiny-checkpoint", "gpt_oss", str(directory), "--layers", "3", "--seed", "1"]) == 0
+    assert f"wrote {directory}: a tiny gpt_oss checkpoint (3 layers, vocab 128, seed 1)" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    assert model.config.num_hidden_layers == 3 and model.config.layer_types[2] == "sliding_attention"
+    ids = tokenizer("Hi there!\n", add_special_tokens=False)["input_ids"]
+    assert max(ids + [tokenizer.eos_token_id]) < model.config.vocab_size and tokenizer.decode(ids) == "Hi there!\n"
+    bad = ((["nope", "d"], "argument FAMILY: invalid choice: 'nope'"), (["mixtral", "d", "--layers", "0"], "--layers must be >= 1"))
+    for args, message in bad:
+        with pytest.raises(SystemExit):
+            main(["tiny-checkpoint", *args])
+        assert message in capsys.readouterr().err

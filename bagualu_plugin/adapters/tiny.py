@@ -1,11 +1,13 @@
 """Tiny random-init models of every supported family, built offline from transformers config
-classes: what tests, examples and benchmarks run on (no hub downloads anywhere)."""
+classes, and a character-level tokenizer for them: what tests, examples and benchmarks run on (no
+hub downloads anywhere)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -13,6 +15,7 @@ from transformers import (
     GptOssConfig,
     MixtralConfig,
     PretrainedConfig,
+    PreTrainedTokenizerFast,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
 )
@@ -55,7 +58,11 @@ def tiny_config(family: str, **overrides):
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; supported: {', '.join(sorted(FAMILIES))}")
     config_class, fields = TINY_CONFIGS[family]
-    return config_class(**{**_COMMON, **fields, **overrides})
+    fields = {**_COMMON, **fields, **overrides}
+    if "layer_types" in fields and "layer_types" not in overrides:  # gpt-oss: its pattern, for any layer count
+        pattern = fields["layer_types"]
+        fields["layer_types"] = [pattern[i % len(pattern)] for i in range(fields["num_hidden_layers"])]
+    return config_class(**fields)
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
@@ -71,3 +78,14 @@ def save_tiny(family: str, directory: str | Path, seed: int = 0, **overrides) ->
     directory = Path(directory)
     tiny_model(family, seed, **overrides).save_pretrained(directory)
     return directory
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer built offline (no training data): `<unk>` 0, `<eos>` 1, tab,
+    newline and printable ASCII, 99 ids, within every tiny model's vocabulary of 128. Save it
+    beside a tiny checkpoint (`save_pretrained`) so that `AutoTokenizer` finds one there."""
+    chars = ["\t", "\n", *map(chr, range(32, 127))]
+    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate(["<unk>", "<eos>", *chars])}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # every character a token
+    tokenizer.decoder = decoders.Fuse()  # decode without spaces between the characters
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<unk>")
