@@ -7,6 +7,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+import yaml
+
 from .config import RecipeError, load_recipe
 from .costmodel import MITIGATIONS, Curve
 from .families import FAMILIES
@@ -29,8 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bagualu", description="Adaptive activation-memory provisioning for MoE training.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    v = sub.add_parser("validate-recipe", help="check recipe files; every problem names its field")
-    v.add_argument("recipes", nargs="+", metavar="RECIPE", help="a YAML file or a built-in recipe name")
+    v = sub.add_parser("validate-recipe", help="check recipe files and nanotron configs; every problem names its field")
+    v.add_argument("recipes", nargs="+", metavar="RECIPE", help="a recipe or nanotron config (YAML) or a built-in recipe name")
 
     c = sub.add_parser("curve", help="per-op cost table and the iteration memory curve of a pipeline stage (paper §IV)")
     c.add_argument("recipe", metavar="RECIPE", help="a YAML file or a built-in recipe name, e.g. glm-423b-a30b")
@@ -122,6 +124,9 @@ def _validate(paths: Sequence[str]) -> int:
     failed = 0
     for path in paths:
         try:
+            if _is_nanotron(path):
+                print(f"ok: {path} ({_validate_nanotron(path)})")
+                continue
             r = load_recipe(path)
         except RecipeError as exc:
             print(exc, file=sys.stderr)
@@ -129,6 +134,29 @@ def _validate(paths: Sequence[str]) -> int:
             continue
         print(f"ok: {path} ({r.model.family}, {r.gpus} devices of {r.hardware.name}, pp {r.pipeline.pp} rank {r.pipeline.rank})")
     return 2 if failed else 0
+
+
+_NANOTRON_SECTIONS = {"general", "parallelism", "tokenizer"}  # required by nanotron's Config; no recipe section
+
+
+def _is_nanotron(path: str) -> bool:
+    """A YAML file whose top level has a bagualu section or nanotron's own; anything else, unreadable
+    files included, goes to `load_recipe` and its errors."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and ("bagualu" in data or bool(_NANOTRON_SECTIONS & data.keys()))
+
+
+def _validate_nanotron(path: str) -> str:
+    """nanotron is imported only here, so that plain recipes validate without it."""
+    try:
+        from .integrations.nanotron.config import validate
+    except ImportError as exc:
+        raise RecipeError(path, [("", f"a nanotron config: {exc}")]) from None
+    return validate(path)
 
 
 def _profile(args: argparse.Namespace) -> int:

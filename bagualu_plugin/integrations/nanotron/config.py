@@ -27,9 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import dacite
+import yaml
+
 from ...config import Recipe, RecipeError, load_recipe
 from ...planner import BudgetState
 from ...stage import Stage
+from ...units import fmt_bytes
 from .compat import import_nanotron
 
 _nanotron_config = import_nanotron()
@@ -38,16 +42,19 @@ _INLINE = ("hardware", "model", "budget", "strategies", "spikes", "telemetry")
 # nanotron's fields that own recompute: main's `recompute_layer`, and `moe_layer_recompute` of
 # nanotron's MoE example configs. PyPI 0.4 has neither (dacite then rejects them as unknown keys).
 _RECOMPUTE_OWNERS = ("recompute_layer", "moe_layer_recompute")
-# Recipe model field -> nanotron model_config field, compared where the model config has it.
+# Recipe model field -> nanotron model_config fields, compared where the model config has one: the
+# names of nanotron's Qwen2 MoE config, or of the HF config.json a dict model_config copies.
 _MODEL_FIELDS = {
-    "hidden_size": "hidden_size",
-    "num_layers": "num_hidden_layers",
-    "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_key_value_heads",
-    "vocab_size": "vocab_size",
-    "num_experts": "moe_config.num_experts",
-    "top_k": "moe_config.top_k",
-    "moe_intermediate_size": "moe_config.moe_intermediate_size",
+    "hidden_size": ("hidden_size",),
+    "num_layers": ("num_hidden_layers",),
+    "num_attention_heads": ("num_attention_heads",),
+    "num_key_value_heads": ("num_key_value_heads",),
+    "head_dim": ("head_dim",),
+    "vocab_size": ("vocab_size",),
+    "num_experts": ("moe_config.num_experts", "num_experts", "n_routed_experts"),
+    "top_k": ("moe_config.top_k", "num_experts_per_tok"),
+    "moe_intermediate_size": ("moe_config.moe_intermediate_size", "moe_intermediate_size"),
+    "first_k_dense": ("first_k_dense_replace",),
 }
 _SOURCE = "nanotron config"
 
@@ -129,10 +136,12 @@ def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
         "parallel.ep": (ep, "parallelism.expert_parallel_size"),
     }
     model_config = config.model.model_config
-    for field, theirs in _MODEL_FIELDS.items():
-        value = _get(model_config, theirs)
-        if value is not None:
-            ours[f"model.{field}"] = (value, f"model.model_config.{theirs}")
+    for field, names in _MODEL_FIELDS.items():
+        for theirs in names:
+            value = _get(model_config, theirs)
+            if value is not None:
+                ours[f"model.{field}"] = (value, f"model.model_config.{theirs}")
+                break
     problems = []
     for path, (value, theirs) in ours.items():
         section, field = path.split(".")
@@ -160,3 +169,42 @@ def _get(obj: Any, dotted: str) -> Any:
             return None
         obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
     return obj
+
+
+def validate(path: str) -> str:
+    """Load the nanotron YAML at `path` as training would (which runs `check` on every pipeline
+    rank) and describe its tightest stage, the one with the most static bytes plus in-flight M0s.
+    Every problem is a `RecipeError` naming the field, dacite's unknown keys and wrong types
+    included, since `bagualu validate-recipe` reports those."""
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    try:
+        config = _nanotron_config.get_config_from_file(path, config_class=Config)
+    except dacite.UnexpectedDataError as exc:
+        raise RecipeError(path, [(key, "unknown key") for key in sorted(_paths_of(raw, exc.keys))]) from None
+    except dacite.DaciteFieldError as exc:
+        raise RecipeError(path, [(exc.field_path or "", str(exc))]) from None
+    except RecipeError as exc:
+        raise RecipeError(path if exc.source == _SOURCE else exc.source, exc.problems) from None
+    except ValueError as exc:  # nanotron's own checks in __post_init__, e.g. lr_warmup_style
+        raise RecipeError(path, [("", f"nanotron: {exc}")]) from None
+    if config.bagualu is None or not config.bagualu.enabled:
+        raise RecipeError(path, [("bagualu.enabled", "the bagualu section is missing or disabled: nothing to validate")])
+    par = config.parallelism
+    ep = getattr(par, "expert_parallel_size", 1)
+    stages = [Stage.of(recipe_for(config, rank)) for rank in range(par.pp)]
+    tight = max(stages, key=lambda s: s.static_bytes + s.warmup * s.min_budget)
+    r, static, m0, capacity = tight.recipe, fmt_bytes(tight.static_bytes), fmt_bytes(tight.min_budget), fmt_bytes(tight.capacity)
+    return (
+        f"nanotron config, {r.model.family}, {ep * par.pp * par.dp * par.tp} devices of {r.hardware.name} = "
+        f"ep {ep} x pp {par.pp} x dp {par.dp} x tp {par.tp}; tightest stage pp rank {r.pipeline.rank}: "
+        f"static {static} + {tight.warmup} in flight x M0 {m0} of capacity {capacity}"
+    )
+
+
+def _paths_of(data: Any, keys: set[str], prefix: str = "") -> list[str]:
+    """The dotted paths of `keys` in the YAML data (dacite names an unknown key, not its section)."""
+    if not isinstance(data, dict):
+        return []
+    found = [prefix + k for k in data if k in keys]
+    return found + [p for k, v in data.items() for p in _paths_of(v, keys, f"{prefix}{k}.")]
