@@ -5,6 +5,8 @@ Under a capacity that forces plans on the first ranks, losses and gradients equa
 engine's bitwise, and each rank's Provisioner sees nanotron's warmup count and in-flight
 micro-batches. Every group has a 60 s collective timeout (`parallel.launch`)."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +20,8 @@ from bagualu_plugin.adapters.gate import GateMonitor  # noqa: E402
 from bagualu_plugin.config import Recipe  # noqa: E402
 from bagualu_plugin.costmodel import ModelDims, OpId  # noqa: E402
 from bagualu_plugin.parallel.launch import run_ranks  # noqa: E402
+from bagualu_plugin.runtime.ledger import Ledger  # noqa: E402
+from bagualu_plugin.runtime.plan_runtime import apply_plan  # noqa: E402
 
 M, BATCH, SEQ = 4, 2, 16
 
@@ -40,7 +44,9 @@ def _recipe(model, pp: int, rank: int, capacity: int) -> Recipe:
     })
 
 
-def _train(rank: int, size: int, plugin: bool, capacity: float = 1.6) -> dict:
+def _train(rank: int, size: int, plugin: bool, capacity: float = 1.6, head: dict | None = None) -> dict:
+    """One batch through nanotron's engine: stock, or with the Provisioner (`capacity` x the
+    stage's keep-all micro-batch); `head`: a plan the stock run's stages follow (`apply_plan`)."""
     from bagualu_plugin.integrations.nanotron.compat import import_nanotron
 
     import_nanotron()  # PyPI's nanotron 0.4 imports only so
@@ -70,7 +76,11 @@ def _train(rank: int, size: int, plugin: bool, capacity: float = 1.6) -> dict:
     else:
         engine = OneForwardOneBackwardPipelineEngine()
     try:
-        outputs = engine.train_batch_iter(model=stages, pg=p2p.pg, batch=batch, nb_microbatches=M, grad_accumulator=None)
+        # the saved bytes: the Provisioner's Ledger, or one tracking the stock run (under `head`'s plan)
+        ledger = prov.ledger if plugin else Ledger.for_model(model)
+        with nullcontext() if plugin else apply_plan(model, head, ledger=ledger) if head else ledger.track():
+            outputs = engine.train_batch_iter(model=stages, pg=p2p.pg, batch=batch, nb_microbatches=M, grad_accumulator=None)
+        out["peak"] = ledger.peak_device_bytes
     finally:
         if plugin:
             events = list(prov.events)
@@ -84,6 +94,7 @@ def _train(rank: int, size: int, plugin: bool, capacity: float = 1.6) -> dict:
         ]
         out["phases"] = {e.micro_batch: e.phase for e in events}
         out["planned"] = sum(bool(e.plan) for e in events)
+        out["plans"] = [e.plan for e in events]
         out["fits"] = all(e.actual <= e.budget for e in events)
     out["losses"] = [o["loss"].detach() for o in outputs] if rank == last else []
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -116,3 +127,15 @@ def test_each_stage_keeps_what_its_cost_model_says_to_the_byte():
     for capacity in (100.0, 1.6):
         for rank in run_ranks(_train, 2, True, capacity, timeout_s=60):
             assert rank["exact"] and all(actual == predicted for actual, predicted in rank["exact"])
+
+
+def test_the_last_stage_recomputes_its_head_through_the_loss_runner():
+    """The head block runs the LM head and loss through the runtime's loss runner, so a plan that
+    recomputes them (the head's `LOSS_OPS` unit) holds on a pipeline's last stage: less kept, the
+    same losses and gradients bitwise."""
+    head = {OpId(4, "lm_head"): "recompute", OpId(4, "loss"): "recompute"}  # 4 layers: the head is block 4
+    kept, recomputed = run_ranks(_train, 2, False, timeout_s=60), run_ranks(_train, 2, False, 1.6, head, timeout_s=60)
+    assert all(torch.equal(a, b) for a, b in zip(kept[1]["losses"], recomputed[1]["losses"]))
+    for ours, theirs in zip(recomputed, kept):
+        assert all(torch.equal(g, theirs["grads"][n]) for n, g in ours["grads"].items())
+    assert recomputed[1]["peak"] < kept[1]["peak"] and recomputed[0]["peak"] == kept[0]["peak"]

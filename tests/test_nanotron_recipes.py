@@ -1,10 +1,16 @@
-"""The real-size nanotron configs of recipes/nanotron/ validate through `bagualu validate-recipe`,
-and a bad nanotron config is an error naming its field, as a bad recipe is."""
+"""The nanotron configs of recipes/nanotron/: the real-size multi-node ones validate through
+`bagualu validate-recipe`; the tiny CPU ones run as they are, after the one command that builds
+their checkpoint, through the torchrun launcher (2 gloo processes), and one of them with expert
+parallelism on a local text file. A bad nanotron config is an error naming its field, as a bad
+recipe is."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,9 +22,10 @@ from bagualu_plugin.cli import main
 pytest.importorskip("nanotron")
 
 NANOTRON = Path(__file__).resolve().parents[1] / "recipes" / "nanotron"
-# tiny-*.yaml are CPU configs whose checkpoints are built by their own tests.
 REAL = sorted(p for p in NANOTRON.glob("*.yaml") if not p.name.startswith("tiny-"))
+TINY = sorted(NANOTRON.glob("tiny-*.yaml"))
 QWEN = NANOTRON / "qwen3-30b-a3b-2x8.yaml"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def validate(path, capsys) -> tuple[int, str, str]:
@@ -110,3 +117,60 @@ def test_model_config_disagreeing_names_the_field(tmp_path, capsys):
     rc, _, err = validate(variant(tmp_path, lambda d: d["model"]["model_config"].update(num_experts=64)), capsys)
     expected = "bagualu recipe model.num_experts=128 disagrees with nanotron model.model_config.num_experts=64"
     assert rc == 2 and f"bagualu.model.num_experts: {expected}" in err
+
+
+def test_tiny_configs_cover_the_three_families():
+    families = {yaml.safe_load(p.read_text())["bagualu"]["model"]["family"] for p in TINY}
+    assert families >= {"glm4_moe", "deepseek_v3", "qwen3_moe"}
+    for path in TINY:
+        data = yaml.safe_load(path.read_text())
+        layers = data["model"]["model_config"]["num_hidden_layers"]
+        assert layers % 2 == 0 and layers % 4 == 0 and data["bagualu"]["spikes"]["enabled"] is False
+
+
+def _run_tiny(tmp_path: Path, config: Path, nproc: int, change=None) -> list[dict]:
+    """In `tmp_path`, as a user would: the header's tiny-checkpoint command, then the launcher."""
+    data = yaml.safe_load(config.read_text())
+    family = data["bagualu"]["model"]["family"]
+    checkpoint = re.search(r"bagualu tiny-checkpoint (\S+) (\S+) --layers (\d+)", config.read_text())
+    assert checkpoint.group(1) == family and checkpoint.group(2) == data["model"]["init_method"]["path"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "bagualu_plugin.cli", "tiny-checkpoint", *checkpoint.groups()[:2], "--layers", checkpoint.group(3)]
+    subprocess.run(cli, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
+    if change is not None:
+        change(data)
+    (tmp_path / config.name).write_text(yaml.safe_dump(data))
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "-m", "bagualu_plugin.integrations.nanotron.train",
+           "--config-file", config.name, "--timeout-s", "60"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in (tmp_path / data["bagualu"]["metrics_path"]).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("path", TINY, ids=[p.stem for p in TINY])
+def test_tiny_config_runs_as_it_is(tmp_path, path, capsys):
+    rc, out, err = validate(path, capsys)
+    assert (rc, err) == (0, "") and out.startswith(f"ok: {path} (nanotron config, ")
+    data = yaml.safe_load(path.read_text())
+    metrics = _run_tiny(tmp_path, path, data["parallelism"]["pp"])
+    assert [m["iteration"] for m in metrics] == list(range(data["tokens"]["train_steps"]))
+    capacity = data["bagualu"]["hardware"]["capacity_bytes"]
+    assert all(0 < peak <= capacity for m in metrics for peak in m["peak_device_bytes"])
+    events = [json.loads(line) for line in (tmp_path / f"{path.stem}-events.rank0.jsonl").read_text().splitlines()]
+    assert any(e["plan"] for e in events)  # the first pipeline rank plans
+
+
+def test_tiny_config_with_expert_parallelism_trains_on_a_text_file(tmp_path):
+    """PP=2 x EP=2 on 4 processes, a local text file tokenised with the checkpoint's tokenizer: the
+    loss falls over the iterations."""
+    words = "the quick brown fox jumps over a lazy dog while experts route tokens across ranks".split()
+    lines = (" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(40)) for i in range(200))
+    (tmp_path / "corpus.txt").write_text("\n".join(lines))
+
+    def change(data):
+        data["parallelism"]["expert_parallel_size"] = 2
+        data["data"] = {"dataset": {"hf_dataset_or_datasets": "corpus.txt", "text_column_name": "text"}, "seed": 7}
+
+    metrics = _run_tiny(tmp_path, NANOTRON / "tiny-glm4-moe.yaml", 4, change)
+    assert len(metrics[0]["peak_device_bytes"]) == 4
+    assert metrics[-1]["loss"] < metrics[0]["loss"]

@@ -17,8 +17,8 @@ The loop:
 - each rank loads only its pipeline stage's weights (and, under expert parallelism, only its
   experts) from the HF checkpoint at nanotron's `model.init_method.path`, in the checkpoint's
   dtype (`model.dtype` is not applied); the rest of the model stays on the meta device;
-- feeds synthetic tokens seeded by `general.seed` in [0, vocab), labels = inputs, each of the
-  ep x dp data replicas its own micro-batches;
+- feeds each of the ep x dp data replicas its own micro-batches (`data.micro_batches`): synthetic
+  tokens seeded by `general.seed`, or a local dataset named by nanotron's data section;
 - after nanotron's engine ran the micro-batches: tied embeddings' gradients summed between the
   first and last pipeline rank; dense gradients averaged over the ep x dp replicas, expert
   gradients (each already summed over the expert-parallel ranks by the all-to-all's backward)
@@ -69,6 +69,7 @@ from nanotron.parallel.pipeline_parallel.p2p import P2P  # noqa: E402
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
 
 from .config import Config, recipe_for  # noqa: E402
+from .data import micro_batches  # noqa: E402
 from .engine import BagualuPipelineEngine  # noqa: E402
 from .model import PipelineModel, stage_state  # noqa: E402
 
@@ -193,6 +194,7 @@ def _per_rank(recipe: Recipe, rank: int) -> Recipe:
     if not path:
         return recipe
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     telemetry = recipe.telemetry.model_copy(update={"path": str(path.with_name(f"{path.stem}.rank{rank}{path.suffix}"))})
     return recipe.model_copy(update={"telemetry": telemetry})
 
@@ -213,15 +215,6 @@ def _install_spikes(spikes: Spikes, model: nn.Module, stages: PipelineModel, ep:
             skew.fraction = skew_fraction(min(schedule[n // micro_batches][n % micro_batches][layer], ep), ep)
 
     stages.register_forward_pre_hook(next_forward)
-
-
-def _synthetic(config: Config, vocab: int, replica: int, replicas: int):
-    tokens = config.tokens
-    data = torch.Generator().manual_seed(config.general.seed)  # the same stream on every rank
-    shape, m = (tokens.micro_batch_size, tokens.sequence_length), tokens.batch_accumulation_per_replica
-    while True:
-        ids = [torch.randint(0, vocab, shape, generator=data) for _ in range(m * replicas)]
-        yield ids[replica * m : (replica + 1) * m]
 
 
 def train(config: Config, device: torch.device, timeout: timedelta) -> None:
@@ -254,9 +247,12 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
     if spikes is not None and spikes.enabled:
         _install_spikes(spikes, model, stages, ep, tokens.train_steps, m)
 
-    batches = _synthetic(config, model.config.vocab_size, ep_rank * par.dp + dp_rank, sync.replicas)
+    batches = micro_batches(config, config.model.init_method.path, model.config.vocab_size, ep_rank * par.dp + dp_rank, sync.replicas)
     metrics = config.bagualu.metrics_path if config.bagualu is not None else None
-    out = open(metrics, "w") if metrics and rank == 0 else None  # noqa: SIM115 - open for the whole run
+    out = None
+    if metrics and rank == 0:
+        Path(metrics).parent.mkdir(parents=True, exist_ok=True)
+        out = open(metrics, "w")  # noqa: SIM115 - open for the whole run
     try:
         for iteration in range(tokens.train_steps):
             batch = [
