@@ -47,9 +47,9 @@ def _recipe(model, pp: int, rank: int, capacity: int) -> Recipe:
 def _train(rank: int, size: int, plugin: bool, capacity: float = 1.6, head: dict | None = None) -> dict:
     """One batch through nanotron's engine: stock, or with the Provisioner (`capacity` x the
     stage's keep-all micro-batch); `head`: a plan the stock run's stages follow (`apply_plan`)."""
-    from bagualu_plugin.integrations.nanotron.compat import import_nanotron
+    from bagualu_plugin.integrations.nanotron.compat import import_pipeline
 
-    import_nanotron()  # PyPI's nanotron 0.4 imports only so
+    import_pipeline()  # PyPI's nanotron 0.4 imports only so
     from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine
     from nanotron.parallel.pipeline_parallel.p2p import P2P
     from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer

@@ -186,7 +186,7 @@ def test_tied_embeddings_over_two_stages_match_one_process(tmp_path):
 @pytest.mark.parametrize(
     ("change", "world", "field"),
     [
-        ({"tp": 2}, 4, r"parallelism\.tp: tp=2"),
+        ({"tp": 2}, 4, r"parallelism\.tp: tp=2: not supported"),
         ({"dp": 2}, 2, r"parallelism: expert_parallel_size x pp x dp x tp = 4, but torchrun started 2"),
         ({"bagualu": {"enabled": False, "spikes": {"enabled": True}}}, 2, r"bagualu\.spikes\.enabled: .*expert_parallel_size >= 2"),
         ({"zero_stage": 1}, 2, r"optimizer\.zero_stage: zero_stage=1"),

@@ -7,6 +7,11 @@ engine -> `nanotron.logging`, which imports `LoggingArgs` from the half-initiali
 in for `nanotron.config.config`; the real config is imported next and `nanotron.logging.LoggingArgs`
 pointed at the real class, so nothing of the placeholder survives. Where the plain import works
 (nanotron main), nothing is patched.
+
+nanotron main's `nanotron.config` needs flash_attn (`models_config` imports its attention), which
+has no CPU build; its pipeline engine, P2P, blocks and `ParallelContext` do not. `import_pipeline`
+makes those importable without the config where the plain import works, so the engine and the
+pipeline model run on nanotron main's engine too; the config and the launcher need the config.
 """
 
 from __future__ import annotations
@@ -17,10 +22,26 @@ import sys
 import types
 
 
-def import_nanotron() -> types.ModuleType:
-    """`nanotron.config`, imported; an ImportError naming the extra when nanotron is missing."""
+def _require() -> None:
     if importlib.util.find_spec("nanotron") is None:
         raise ImportError("the nanotron integration needs nanotron: pip install 'bagualu-plugin[nanotron]'")
+
+
+def import_pipeline() -> None:
+    """nanotron's pipeline engine (with P2P, blocks, tensor pointers, `ParallelContext`) imported:
+    plainly where that works (nanotron main), else through `import_nanotron` (PyPI 0.4's cycle)."""
+    _require()
+    try:
+        importlib.import_module("nanotron.parallel.pipeline_parallel.engine")
+    except ImportError as exc:
+        if "circular import" not in str(exc):
+            raise
+        import_nanotron()
+
+
+def import_nanotron() -> types.ModuleType:
+    """`nanotron.config`, imported; an ImportError naming the extra when nanotron is missing."""
+    _require()
     try:
         return importlib.import_module("nanotron.config")
     except ImportError as exc:

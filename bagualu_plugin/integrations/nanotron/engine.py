@@ -20,9 +20,9 @@ one when the `bagualu:` section is enabled).
 
 from __future__ import annotations
 
-from .compat import import_nanotron
+from .compat import import_pipeline
 
-import_nanotron()
+import_pipeline()
 
 from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine  # noqa: E402
 

@@ -25,9 +25,9 @@ from torch import nn
 
 from ...adapters import Adapter
 from ...runtime.head import head_loss
-from .compat import import_nanotron
+from .compat import import_pipeline
 
-import_nanotron()
+import_pipeline()
 
 from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E402
 from nanotron.parallel.pipeline_parallel.p2p import P2P  # noqa: E402

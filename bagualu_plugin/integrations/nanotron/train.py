@@ -6,8 +6,7 @@ Multi-node: `torchrun --nnodes N --node_rank R --nproc_per_node 8 --rdzv_backend
 
 What runs on a CPU, over gloo, and why:
 - nanotron's `ParallelContext` makes the groups (world = ep x pp x dp x tp, its layout); the one
-  patch is `set_device`, a no-op without CUDA (the stock one calls `torch.cuda.set_device`, its
-  only CUDA call; its `backend="nccl"` assertion checks an argument, not the initialised group);
+  patch is `set_device`, a no-op without CUDA (`context.CPUParallelContext`);
 - nanotron's `P2P`, `PipelineBlock`, `TensorPointer` and `OneForwardOneBackwardPipelineEngine`
   run unchanged (they take the device and the group they are given);
 - nanotron's `DistributedTrainer` does not: its import needs flash_attn, it builds the model on
@@ -63,12 +62,12 @@ from .compat import import_nanotron
 _nanotron_config = import_nanotron()
 
 from nanotron.config.models_config import ExistingCheckpointInit  # noqa: E402
-from nanotron.parallel.context import ParallelContext  # noqa: E402
 from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine  # noqa: E402
 from nanotron.parallel.pipeline_parallel.p2p import P2P  # noqa: E402
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
 
 from .config import Config, recipe_for  # noqa: E402
+from .context import EXPERT_PARALLEL, expert_group, parallel_context, rank_matrix  # noqa: E402
 from .data import micro_batches  # noqa: E402
 from .engine import BagualuPipelineEngine  # noqa: E402
 from .model import PipelineModel, stage_state  # noqa: E402
@@ -77,20 +76,16 @@ _SOURCE = "nanotron config"
 HOT_RANK = 0  # the expert-parallel rank spikes route onto
 
 
-class CPUParallelContext(ParallelContext):
-    """nanotron's `ParallelContext` on any device: `set_device` selects a GPU only where there is one."""
-
-    def set_device(self):
-        if torch.cuda.is_available():
-            super().set_device()
-
-
 def check_supported(config: Config, world_size: int) -> None:
     """Raise `RecipeError` naming the first fields this launcher cannot run."""
     par, ep = config.parallelism, getattr(config.parallelism, "expert_parallel_size", 1)
     problems = []
-    if par.tp != 1:
-        problems.append(("parallelism.tp", f"tp={par.tp}: tensor parallelism is not supported, set it to 1"))
+    for name in ("tp", "context_parallel_size"):  # main has context parallelism
+        if getattr(par, name, 1) != 1:
+            problems.append((f"parallelism.{name}", f"{name}={getattr(par, name)}: not supported, set it to 1"))
+    if ep > 1 and not EXPERT_PARALLEL:
+        msg = "this nanotron's ParallelContext cannot lay out expert parallelism (nanotron main): use nanotron 0.4 or set it to 1"
+        problems.append(("parallelism.expert_parallel_size", msg))
     if ep * par.pp * par.dp * par.tp != world_size:
         msg = f"expert_parallel_size x pp x dp x tp = {ep * par.pp * par.dp * par.tp}, but torchrun started {world_size} processes"
         problems.append(("parallelism", f"{msg}: they must be equal"))
@@ -141,8 +136,8 @@ class _GradientSync:
     """The gradient reductions nanotron's trainer would do, for the ranks this one shares weights
     with. Every rank makes every group, in one order (`new_group` is collective)."""
 
-    def __init__(self, pc: ParallelContext, model: nn.Module, stages: PipelineModel, timeout: timedelta):
-        ranks, rank = pc.world_rank_matrix, dist.get_rank()  # [ep, pp, dp, tp]
+    def __init__(self, pc, model: nn.Module, stages: PipelineModel, timeout: timedelta):
+        ranks, rank = rank_matrix(pc), dist.get_rank()  # [ep, pp, dp, tp]
         ep, pp, dp, tp = ranks.shape
         self.replicas = ep * dp
 
@@ -224,12 +219,13 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
     check_supported(config, world)
     par, tokens = config.parallelism, config.tokens
     ep = getattr(par, "expert_parallel_size", 1)
-    pc = CPUParallelContext(par.tp, par.pp, par.dp, ep)
-    pp_rank, ep_rank, dp_rank = dist.get_rank(pc.pp_pg), dist.get_rank(pc.expert_pg), dist.get_rank(pc.dp_pg)
+    pc = parallel_context(par.tp, par.pp, par.dp, ep)
+    ep_pg = expert_group(pc)
+    pp_rank, ep_rank, dp_rank = dist.get_rank(pc.pp_pg), dist.get_rank(ep_pg), dist.get_rank(pc.dp_pg)
     last, m = par.pp - 1, tokens.batch_accumulation_per_replica
     torch.manual_seed(config.general.seed)
     model = load_pretrained(
-        config.model.init_method.path, expert_group=pc.expert_pg if ep > 1 else None, keep=stage_state(par.pp, pp_rank)
+        config.model.init_method.path, expert_group=ep_pg if ep > 1 else None, keep=stage_state(par.pp, pp_rank)
     )
     p2p = P2P(pc.pp_pg, device)
     stages = PipelineModel(model, p2p).to(device)
