@@ -26,7 +26,6 @@ import_pipeline()
 
 from nanotron.parallel.context import ParallelContext  # noqa: E402
 
-
 EXPERT_PARALLEL = "context_parallel_size" not in inspect.signature(ParallelContext.__init__).parameters
 
 
