@@ -201,3 +201,17 @@ def test_unsupported_configs_are_refused_by_name(tmp_path, change, world, field)
     config = import_nanotron().get_config_from_file(str(path), config_class=Config)
     with pytest.raises(RecipeError, match=field):
         check_supported(config, world)
+
+
+def test_a_bad_config_stops_the_launch_before_training_naming_the_field(checkpoint, tmp_path):
+    """A capacity below M0, through torchrun: every rank exits with the error, nothing trains."""
+    data = _config(checkpoint, _bagualu(2, capacity=0.05))
+    path, metrics = tmp_path / "bad.yaml", tmp_path / "bad.jsonl"
+    data["bagualu"]["metrics_path"] = str(metrics)
+    path.write_text(yaml.safe_dump(data))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "-m", "bagualu_plugin.integrations.nanotron.train",
+           "--config-file", str(path), "--timeout-s", "60"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and not metrics.exists()
+    assert "bagualu.hardware.capacity_bytes: pipeline rank 0" in done.stderr and "M0" in done.stderr

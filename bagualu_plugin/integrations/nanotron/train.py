@@ -287,7 +287,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config-file", required=True, help="nanotron YAML, optionally with a bagualu: section")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout: a rank that stops ends the job after it")
     args = parser.parse_args(argv)
-    config = _nanotron_config.get_config_from_file(args.config_file, config_class=Config)
+    try:  # every check of the config, before any process group or model
+        config = _nanotron_config.get_config_from_file(args.config_file, config_class=Config)
+        check_supported(config, int(os.environ.get("WORLD_SIZE", 1)))
+    except RecipeError as exc:
+        raise SystemExit(f"{args.config_file}: {exc}") from None
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
