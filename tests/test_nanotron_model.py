@@ -45,3 +45,30 @@ def _against_hf(rank: int, size: int, attention: str) -> dict:
 def test_one_stage_is_the_hf_forward_bitwise(attention):
     for family, (loss, grads, count) in run_ranks(_against_hf, 1, attention, timeout_s=120)[0].items():
         assert loss and grads and count > 0, family
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_each_stage_loads_only_its_weights(tmp_path, tied):
+    """`load_pretrained(keep=stage_state(pp, rank))`: a stage's layers (and the embedding on the
+    first, the norm and LM head on the last) equal `from_pretrained`'s, the rest stays on the meta
+    device unread; with tied embeddings the last stage's LM head is read from the embedding's key."""
+    from transformers import AutoModelForCausalLM
+
+    from bagualu_plugin.adapters import save_tiny
+    from bagualu_plugin.integrations.nanotron.model import stage_state
+    from bagualu_plugin.parallel import load_pretrained
+
+    path = save_tiny("qwen3_moe", tmp_path / "ckpt", num_hidden_layers=4, tie_word_embeddings=tied)
+    whole = dict(AutoModelForCausalLM.from_pretrained(path, local_files_only=True).named_parameters())
+    for rank, layers in ((0, {0, 1}), (1, {2, 3})):
+        model = load_pretrained(path, keep=stage_state(2, rank))
+        assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+        for name, param in model.named_parameters():
+            layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
+            embed = name.startswith("model.embed_tokens") and (rank == 0 or tied)
+            head = name.startswith(("model.norm", "lm_head")) and rank == 1
+            held = layer in layers if layer is not None else embed or head
+            assert param.is_meta != held, name
+            if held:
+                assert torch.equal(param, whole[name]), name
+        assert not model.model.rotary_emb.inv_freq.is_meta
