@@ -390,18 +390,18 @@ class Copy:
 
 
 def test_device_is_the_models():
-    """PlanRuntime and the profiler pass no device: the ledger takes the parameters' device (a
-    CUDA tensor's carries its index), looked up again by refresh() (PlanRuntime.forward calls it),
-    so the allocator is read where the model computes. Meta stands in for a GPU here."""
+    """PlanRuntime and the profiler pass no device: the ledger takes the device of the parameters
+    off the CPU (a CUDA tensor's carries its index; `benchmarks/gpu_check.py` runs it on a GPU),
+    looked up again by refresh() (PlanRuntime.forward calls it), so the allocator is read where the
+    model computes. Meta parameters (another pipeline stage's, never loaded) compute nowhere."""
     from bagualu_plugin.runtime.ledger import model_device
 
     assert Ledger.for_model(mlp()).device == torch.device("cpu") and model_device([]) == torch.device("cpu")
     with torch.device("meta"):
         model = mlp()
-    ledger = Ledger.for_model(model)
-    assert ledger.device == torch.device("meta")
-    assert model_device([torch.ones(1), torch.empty(1, device="meta")]) == torch.device("meta")
-    assert Ledger.for_model(model, device="cpu").device == torch.device("cpu")  # an explicit one wins
+    assert Ledger.for_model(model).device == torch.device("cpu")
+    assert model_device([torch.empty(1, device="meta"), torch.ones(1)]) == torch.device("cpu")
+    assert Ledger.for_model(model, device="meta").device == torch.device("meta")  # an explicit one wins
 
 
 def test_copies_in_flight_count_until_done_and_are_capped():
