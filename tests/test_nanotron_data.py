@@ -170,7 +170,7 @@ def test_missing_split_tokenizer_and_vocab_overflow_are_named(tmp_path, checkpoi
     assert exc.value.problems[0][0] == "tokenizer.tokenizer_name_or_path"
 
     config = load(tmp_path, config_dict(dataset_section(text_file), tokenizer=str(checkpoint)))  # named, not the checkpoint's
-    with pytest.raises(RecipeError, match="gives token id 9[0-9], but the checkpoint's vocab_size is 50") as exc:
+    with pytest.raises(RecipeError, match="gives token id 9[0-9], but the model's vocab_size is 50") as exc:
         micro_batches(config, tmp_path, 50, 0, 1)
     assert exc.value.problems[0][0] == "tokenizer.tokenizer_name_or_path"
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -39,6 +40,7 @@ from .ledger import Ledger
 from .plan_runtime import PlanRuntime
 
 EVENTS_KEPT = 4096  # events held in memory; the telemetry file has them all
+INSTALLED_ATTR = "_bagualu_provisioner"  # on the HF model while a Provisioner is installed
 
 
 @dataclass(frozen=True)
@@ -119,12 +121,35 @@ def _check_expert_group(adapter: Adapter, recipe: Recipe) -> None:
         raise ValueError(f"recipe parallel.ep={par.ep}, parallel.ep_rank={par.ep_rank}, but the model is {where}: {hint}")
 
 
+def _check_recompute_owner(adapter: Adapter) -> None:
+    """Per-operator recompute is ours: HF's gradient checkpointing or a checkpoint wrapper (what
+    accelerate's `fsdp_activation_checkpointing` and torch's `apply_activation_checkpointing`
+    install) would recompute the same layers a second time, under their own rules."""
+    model = adapter.model
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise ValueError(
+            "the model has HF gradient checkpointing enabled (gradient_checkpointing_enable()) and bgl.apply plans "
+            "recompute per operator: call model.gradient_checkpointing_disable()"
+        )
+    wrapped = [name for name, module in model.named_modules() if type(module).__name__ == "CheckpointWrapper"]
+    if wrapped:
+        raise ValueError(
+            f"modules {wrapped[:3]}{' ...' if len(wrapped) > 3 else ''} are wrapped for activation checkpointing "
+            "(accelerate's fsdp_activation_checkpointing, or torch's apply_activation_checkpointing) and bgl.apply plans "
+            "recompute per operator: turn fsdp_activation_checkpointing off"
+        )
+
+
 class Provisioner:
     def __init__(self, model: nn.Module, recipe: Recipe, cost: CostModel | None = None):
         """`model` is this pipeline rank's stage; `cost` its cost model (default: the analytic one
         of the model's config)."""
         self.recipe = recipe
-        _check_expert_group(Adapter(model), recipe)
+        adapter = Adapter(model)
+        if getattr(adapter.model, INSTALLED_ATTR, None) is not None:
+            raise ValueError("bgl.apply: this model has a Provisioner installed already; call .remove() on it first")
+        _check_recompute_owner(adapter)
+        _check_expert_group(adapter, recipe)
         self.stage = Stage.of(recipe, cost or model_cost(model, recipe.hardware), split=False)
         stage = self.stage
         self._first = BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup)
@@ -155,6 +180,8 @@ class Provisioner:
         self._awaiting_backward: dict[int, Event] = {}
         self._forward: _Forward | None = None
         self._layer_costs: dict[tuple, dict[int, _LayerCost]] = {}
+        self._accumulated = 0  # micro_batch(): micro-batches of the current optimizer step so far
+        setattr(adapter.model, INSTALLED_ATTR, self)
 
     @property
     def ledger(self) -> Ledger:
@@ -172,6 +199,7 @@ class Provisioner:
         if self._forward is not None:
             raise ValueError(f"begin_forward({mb}): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
         if mb == 0:  # a new iteration: Algorithm 1 starts over, with nothing left of the last one
+            _check_recompute_owner(self.runtime.adapter)  # enabled or wrapped after bgl.apply
             if self._awaiting_backward:
                 raise ValueError(
                     f"begin_forward(0): micro-batches {sorted(self._awaiting_backward)} of the last iteration await end_backward"
@@ -278,9 +306,46 @@ class Provisioner:
                 f.write(event.to_json() + "\n")
         return live
 
+    @contextmanager
+    def micro_batch(self, input_ids: torch.Tensor) -> Iterator[int]:
+        """One micro-batch of a loop without pipeline parallelism (gradient accumulation under
+        Accelerate, DDP, FSDP or plain torch; the recipe's pp is 1): run its forward and its
+        backward inside the block. The micro-batches of one optimizer step are counted
+        (`pipeline.micro_batches` of them, yielded as 0, 1, ...); the forward ends where the HF
+        model's forward returns, so the backward in the block runs under no plan's hooks."""
+        pipe = self.recipe.pipeline
+        if pipe.pp != 1:
+            raise ValueError(f"micro_batch() runs without pipeline parallelism, but the recipe has pipeline.pp={pipe.pp}")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"micro_batch(input_ids): expected the (batch, sequence) token ids, got {input_ids!r:.80}")
+        mb = self._accumulated
+        self.begin_forward(mb, input_ids.numel(), input_ids.shape[-1])
+        forwards = []
+
+        def ended(*_):
+            if forwards:
+                raise ValueError(f"micro_batch({mb}): the model ran a second forward inside one micro-batch")
+            forwards.append(self.end_forward(mb))
+
+        hook = self.runtime.adapter.model.register_forward_hook(ended)
+        try:
+            yield mb
+        except BaseException:
+            if not forwards and self._forward is not None:
+                self.end_forward(mb)
+            raise
+        finally:
+            hook.remove()
+        if not forwards:
+            raise ValueError(f"micro_batch({mb}): the model ran no forward inside the block")
+        self.end_backward(mb)
+        self._accumulated = (mb + 1) % pipe.micro_batches
+
     def remove(self) -> None:
         self.gate.remove()
         self.runtime.remove()
+        if getattr(self.runtime.adapter.model, INSTALLED_ATTR, None) is self:
+            delattr(self.runtime.adapter.model, INSTALLED_ATTR)
 
 
 def apply(model: nn.Module, recipe: Recipe, cost: CostModel | None = None) -> Provisioner:
