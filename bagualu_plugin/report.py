@@ -124,6 +124,21 @@ def plot_timeline(
 
 
 
+def plot_steps(steps: Sequence[dict], path: str | Path, title: str) -> Path:
+    """Peak device bytes of every process at each optimizer step against the capacity (the
+    fine-tuning example's `metrics.jsonl` lines: `step`, `peak_device_bytes`, `capacity_bytes`)."""
+    fig, ax = _axes((9, 4.5))
+    xs = [s["step"] for s in steps]
+    for rank in range(len(steps[0]["peak_device_bytes"])):
+        ax.plot(xs, [s["peak_device_bytes"][rank] / _MIB for s in steps], marker=".", lw=1.0, label=f"process {rank}: peak")
+    ax.axhline(steps[0]["capacity_bytes"] / _MIB, color="#c0392b", ls="--", lw=1.5, label="capacity")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("device memory (MiB): static + activations")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, path)
+
+
 def _positions(timeline: Sequence, steps: int):
     """(x, entry): x = iteration + the step's place among the `steps` of its iteration."""
     place: dict[int, int] = {}

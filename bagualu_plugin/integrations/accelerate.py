@@ -1,0 +1,69 @@
+"""Accelerate: adaptive activation memory in a training loop without pipeline parallelism.
+
+The gradient-accumulation micro-batches are the provisioning unit: each runs its forward and then
+its backward, so one micro-batch is in flight and Algorithm 1 gives it all the free memory (the
+recipe's `pipeline.pp` is 1, `pipeline.micro_batches` the accumulation steps); routing spikes are
+caught at the gate as in a pipeline. Accelerate takes no third-party kwargs handlers and no
+unknown config keys, so the plugin goes on the model before `accelerator.prepare`:
+
+    prov = apply(model, recipe, accelerator)           # before prepare (without the plugin: prepare_model)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for ids in micro_batches:
+        with accelerator.accumulate(model), prov.micro_batch(ids):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            optimizer.step(); optimizer.zero_grad()
+
+What survives `prepare`: DDP keeps the parameter objects (the Ledger looks at their storages again
+at every forward) and calls the HF model's own forward, where the plugin's hooks are. Expert
+parallelism (`recipe.parallel.ep` = the number of processes) shards the routed experts over the
+processes; DDP must then leave them alone (each rank holds other experts) and their gradients,
+which the all-to-all's backward already sums over every rank's tokens, are divided by the
+process count: DDP's average of the dense gradients and the experts' then mean the same loss.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..config import Recipe
+from ..parallel.checkpoint import expert_shards
+from ..parallel.expert import expert_parallel
+from ..runtime.provisioner import Provisioner
+from ..runtime.provisioner import apply as _apply
+
+
+def apply(model: nn.Module, recipe: Recipe, accelerator) -> Provisioner:
+    """`bgl.apply` for a model `accelerator` will prepare (call it before `prepare`): `prepare_model`,
+    then the Provisioner with this process's recipe."""
+    return _apply(model, prepare_model(model, recipe, accelerator))
+
+
+def prepare_model(model: nn.Module, recipe: Recipe, accelerator) -> Recipe:
+    """What a run of `recipe` under `accelerator` needs with the plugin or without it: the recipe
+    checked against the accelerator (no pipeline, dp = its processes, ep = 1 or its processes, no
+    FSDP activation checkpointing: two owners of recompute), and under expert parallelism the
+    experts sharded over the processes for DDP. Returns this process's recipe (its `ep_rank`)."""
+    n, rank = accelerator.num_processes, accelerator.process_index
+    par, pipe = recipe.parallel, recipe.pipeline
+    problems = []
+    if pipe.pp != 1:
+        problems.append(f"pipeline.pp={pipe.pp}: Accelerate runs no pipeline, set it to 1")
+    if par.dp != n:
+        problems.append(f"parallel.dp={par.dp}, but Accelerate runs {n} processes: they must be equal")
+    if par.ep not in (1, n):
+        problems.append(f"parallel.ep={par.ep}: expert parallelism runs over all {n} processes or none (1)")
+    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
+    if fsdp is not None and getattr(fsdp, "activation_checkpointing", False):
+        problems.append("fsdp_activation_checkpointing is on: it recomputes whole layers, bgl.apply plans recompute per operator")
+    if problems:
+        raise ValueError("bagualu accelerate: " + "; ".join(problems))
+    if par.ep == 1:
+        return recipe
+    expert_parallel(model)  # over the world: Accelerate's processes
+    experts = expert_shards(model)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(experts))
+    for name in experts:
+        model.get_parameter(name).register_hook(lambda grad: grad / n)
+    return recipe.model_copy(update={"parallel": par.model_copy(update={"ep_rank": rank})})

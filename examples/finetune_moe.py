@@ -1,0 +1,150 @@
+"""Fine-tune a saved HF MoE checkpoint with adaptive activation memory, under `python` or
+`accelerate launch` (DDP over the processes; expert parallelism when the recipe's `parallel.ep`
+equals their number).
+
+    accelerate launch --multi_gpu --num_processes 2 examples/finetune_moe.py \\
+        --model CKPT --recipe RECIPE --steps 20 --output-dir out [--data corpus.txt] [--no-adaptive]
+
+The recipe gives the batch (`batch.seq_len`, `batch.micro_batch_size`), the gradient-accumulation
+steps (`pipeline.micro_batches`; `pipeline.pp` is 1), the processes (`parallel.dp`, `parallel.ep`)
+and the device capacity the plugin plans for. `--no-adaptive` is the same run without the plugin:
+its activations are counted, not limited, so the two runs compare step by step.
+
+Writes to `--output-dir`: `metrics.jsonl` (per optimizer step: loss, every process's peak device
+bytes, the capacity, tokens/s), `telemetry.jsonl` (the plugin's events; process r > 0 writes
+`telemetry.rank<r>.jsonl`), `memory.png` (peak per step against the capacity) and `model/`
+(`save_pretrained`, with the tokenizer when the checkpoint has one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM
+
+from bagualu_plugin import data, load_recipe
+from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.config import RecipeError
+from bagualu_plugin.integrations.accelerate import apply, prepare_model
+from bagualu_plugin.parallel import save_expert_parallel
+from bagualu_plugin.report import plot_steps
+from bagualu_plugin.runtime.ledger import Ledger
+from bagualu_plugin.stage import Stage
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a saved HF MoE checkpoint directory")
+    parser.add_argument("--recipe", required=True, help="a bagualu recipe: built-in name or YAML path")
+    parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--data", help="a text file (one document per line) or a saved datasets directory; default: seeded random tokens")
+    parser.add_argument("--no-adaptive", action="store_true", help="the same run without the plugin")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    if not (Path(args.model) / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there; expected a directory written by save_pretrained")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    try:
+        recipe = load_recipe(args.recipe)
+    except RecipeError as exc:
+        sys.exit(f"--recipe: {exc}")
+    m, mbs, seq = recipe.pipeline.micro_batches, recipe.batch.micro_batch_size, recipe.batch.seq_len
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=m)
+    rank, n, main_process = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    out = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    name = "telemetry.jsonl" if rank == 0 else f"telemetry.rank{rank}.jsonl"  # this run's telemetry, whatever the recipe says
+    recipe = recipe.model_copy(update={"telemetry": recipe.telemetry.model_copy(update={"path": str(out / name)})})
+    (out / name).unlink(missing_ok=True)
+
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, experts_implementation="bagualu").train()
+    try:
+        if args.no_adaptive:
+            recipe, prov = prepare_model(model, recipe, accelerator), None
+        else:
+            prov = apply(model, recipe, accelerator)
+            recipe = prov.recipe
+    except ValueError as exc:
+        sys.exit(f"--recipe {args.recipe}: {exc}")
+    stage = prov.stage if prov else Stage.of(recipe, model_cost(model, recipe.hardware), split=False)
+    ledger = prov.ledger if prov else Ledger.for_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    vocab = accelerator.unwrap_model(model).config.vocab_size
+    try:
+        if args.data:
+            tokens = data.pack(data.load_texts(args.data), data.load_tokenizer(args.model), seq, vocab)
+            batches = data.batches(tokens, args.seed, mbs, m, rank, n)
+        else:
+            batches = data.synthetic(args.seed, vocab, (mbs, seq), m, rank, n)
+    except data.DataError as exc:
+        sys.exit(f"--data {args.data}: {exc}" if exc.what != "tokenizer" else f"--model {args.model}: {exc}")
+
+    metrics, steps = (out / "metrics.jsonl").open("w") if main_process else None, []
+    try:
+        for step in tqdm(range(args.steps), desc="fine-tuning" + (" (no plugin)" if args.no_adaptive else ""), disable=not main_process):
+            ledger.reset_peak()
+            start, losses = time.perf_counter(), []
+            for ids in next(batches):
+                ids = ids.to(accelerator.device)
+                with accelerator.accumulate(model):
+                    with prov.micro_batch(ids) if prov else ledger.track():
+                        loss = model(input_ids=ids, labels=ids).loss
+                        accelerator.backward(loss)
+                    losses.append(loss.detach())
+                    optimizer.step()
+                    optimizer.zero_grad()
+            seconds = time.perf_counter() - start
+            loss = accelerator.reduce(torch.stack(losses).mean(), "mean").item()
+            peaks = accelerator.gather(torch.tensor([stage.static_bytes + ledger.peak_device_bytes], device=accelerator.device))
+            line = {
+                "step": step, "loss": loss, "peak_device_bytes": peaks.tolist(), "capacity_bytes": stage.capacity,
+                "tokens_per_s": n * m * mbs * seq / seconds,
+            }
+            steps.append(line)
+            if metrics:
+                metrics.write(json.dumps(line) + "\n")
+                metrics.flush()
+    finally:
+        if metrics:
+            metrics.close()
+        if prov:
+            prov.remove()
+
+    unwrapped = accelerator.unwrap_model(model)
+    if recipe.parallel.ep > 1:
+        save_expert_parallel(unwrapped, out / "model")
+    elif main_process:
+        unwrapped.save_pretrained(out / "model")
+    if main_process:
+        with contextlib.suppress(data.DataError):  # a checkpoint without a tokenizer: the model alone
+            data.load_tokenizer(args.model).save_pretrained(out / "model")
+        title = f"{Path(args.model).name}: {'no plugin' if args.no_adaptive else 'adaptive'}, {n} process(es), {m} x {mbs} x {seq} tokens"
+        plot_steps(steps, out / "memory.png", title)
+        last = steps[-1]
+        print(f"{args.steps} steps, loss {steps[0]['loss']:.4f} -> {last['loss']:.4f}, peak {max(last['peak_device_bytes'])} "
+              f"of {last['capacity_bytes']} bytes; wrote {out}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
