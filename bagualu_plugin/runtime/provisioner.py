@@ -129,8 +129,9 @@ def _check_recompute_owner(adapter: Adapter) -> None:
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     if getattr(model, name, False):
         raise ValueError(
-            "the model has HF gradient checkpointing enabled (gradient_checkpointing_enable()) and bgl.apply plans "
-            "recompute per operator: call model.gradient_checkpointing_disable()"
+            "the model has HF gradient checkpointing enabled (gradient_checkpointing_enable() or "
+            "activation_checkpointing_enable()) and bgl.apply plans recompute per operator: disable it "
+            "(gradient_checkpointing_disable())"
         )
     wrapped = [name for name, module in model.named_modules() if type(module).__name__ == "CheckpointWrapper"]
     if wrapped:
@@ -332,15 +333,24 @@ class Provisioner:
         try:
             yield mb
         except BaseException:
-            if not forwards and self._forward is not None:
-                self.end_forward(mb)
+            self._abandon()
             raise
         finally:
             hook.remove()
         if not forwards:
+            self._abandon()
             raise ValueError(f"micro_batch({mb}): the model ran no forward inside the block")
         self.end_backward(mb)
         self._accumulated = (mb + 1) % pipe.micro_batches
+
+    def _abandon(self) -> None:
+        """A micro_batch block failed: the optimizer step's accounting is dropped (its forward's
+        hooks closed, nothing awaits a backward), and the next micro-batch starts a new step."""
+        if self._forward is not None:
+            self._forward.hooks.__exit__(None, None, None)
+            self._forward = None
+        self._awaiting_backward.clear()
+        self._accumulated = 0
 
     def remove(self) -> None:
         self.gate.remove()

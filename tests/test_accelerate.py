@@ -1,0 +1,199 @@
+"""Accelerate (`integrations.accelerate`, `Provisioner.micro_batch`, `examples/finetune_moe.py`).
+
+- `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo) runs the example on a saved tiny
+  checkpoint and a local text file, with the plugin under a capacity that forces plans and without
+  it (`--no-adaptive`): the losses are equal step for step, bit for bit, and fall; the plugin keeps
+  every process under the capacity the stock run exceeds; the saved model reloads. The same with
+  expert parallelism over the two processes, whose losses also match the data-parallel run's.
+- A convergence run in the style of Liger-Kernel's mini-model tests: 30 steps in one process with
+  and without the plugin, the same losses.
+- Two owners of recompute, a second install and recipes that do not fit the accelerator are
+  errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+pytest.importorskip("accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+
+import bagualu_plugin as bgl  # noqa: E402
+from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
+from bagualu_plugin.adapters.tiny import save_tiny, tiny_model, tiny_tokenizer  # noqa: E402
+from bagualu_plugin.config import Recipe  # noqa: E402
+from bagualu_plugin.costmodel import ModelDims  # noqa: E402
+from bagualu_plugin.integrations.accelerate import prepare_model  # noqa: E402
+from bagualu_plugin.parallel.launch import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "finetune_moe.py"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+SEQ, MBS, M = 32, 2, 4
+TINY = {"num_hidden_layers": 4}
+WORDS = "the quick brown fox jumps over a lazy dog while experts route tokens across ranks".split()
+
+
+def _recipe(dp: int = 1, ep: int = 1, capacity: float = 0.7, **changes) -> dict:
+    """The tiny model at 0.7 x its keep-all micro-batch: it has to plan."""
+    model = tiny_model("qwen3_moe", **TINY)
+    keep = model_cost(model).activation_bytes(MBS * SEQ, seq_len=SEQ)
+    return {
+        "hardware": {"preset": "cpu", "capacity_bytes": int(capacity * keep)},
+        "model": ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa").model_dump(exclude_defaults=True),
+        "parallel": {"dp": dp, "ep": ep},
+        "pipeline": {"pp": 1, "micro_batches": M},
+        "batch": {"seq_len": SEQ, "micro_batch_size": MBS},
+        "budget": {"non_activation_bytes": 0},
+        "strategies": {"allowed": ["recompute", "offload"]},
+        **changes,
+    }
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A tiny checkpoint with its tokenizer, and a text file of 300 documents."""
+    tmp = tmp_path_factory.mktemp("accelerate")
+    save_tiny("qwen3_moe", tmp / "ckpt", **TINY)
+    tiny_tokenizer().save_pretrained(tmp / "ckpt")
+    (tmp / "corpus.txt").write_text("\n".join(" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(40)) for i in range(300)))
+    return tmp
+
+
+def _run(workdir: Path, name: str, recipe: dict, steps: int, processes: int, *flags: str) -> list[dict]:
+    (workdir / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+    args = ["--model", "ckpt", "--recipe", f"{name}.yaml", "--steps", str(steps), "--output-dir", name, "--data", "corpus.txt", *flags]
+    if processes == 1:
+        cmd = [sys.executable, str(EXAMPLE), *args]
+    else:
+        cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(EXAMPLE), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads(line) for line in (workdir / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same_training(ours: list[dict], theirs: list[dict], processes: int) -> None:
+    assert [s["loss"] for s in ours] == [s["loss"] for s in theirs]  # floats from JSON: bitwise
+    assert ours[-1]["loss"] < ours[0]["loss"]
+    capacity = ours[0]["capacity_bytes"]
+    assert all(len(s["peak_device_bytes"]) == processes and max(s["peak_device_bytes"]) <= capacity for s in ours)
+    assert max(max(s["peak_device_bytes"]) for s in theirs) > capacity  # without the plugin it would not fit
+
+
+@pytest.fixture(scope="module")
+def ddp(workdir):
+    plugin = _run(workdir, "ddp", _recipe(dp=2), 6, 2)
+    stock = _run(workdir, "ddp-stock", _recipe(dp=2), 6, 2, "--no-adaptive")
+    return plugin, stock
+
+
+def test_two_processes_train_bitwise_stock_under_the_capacity(ddp, workdir):
+    _same_training(*ddp, processes=2)
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(workdir / "ddp" / "model", local_files_only=True)
+    original = AutoModelForCausalLM.from_pretrained(workdir / "ckpt", local_files_only=True)
+    assert not torch.equal(reloaded.lm_head.weight, original.lm_head.weight)  # trained, then saved
+    assert (workdir / "ddp" / "memory.png").stat().st_size > 0
+    events = [json.loads(line) for line in (workdir / "ddp" / "telemetry.jsonl").read_text().splitlines()]
+    assert len(events) == 6 * M and any(e["plan"] for e in events)
+    assert (workdir / "ddp" / "telemetry.rank1.jsonl").exists()
+
+
+def test_expert_parallel_over_two_processes(ddp, workdir):
+    """Each process holds 4 of the 8 experts; DDP leaves them alone, and their gradients are
+    scaled to the mean DDP takes of the rest: the same training as data parallelism, to rounding."""
+    plugin = _run(workdir, "ep", _recipe(dp=2, ep=2), 6, 2)
+    stock = _run(workdir, "ep-stock", _recipe(dp=2, ep=2), 6, 2, "--no-adaptive")
+    _same_training(plugin, stock, processes=2)
+    for ours, data_parallel in zip(plugin, ddp[0]):
+        assert ours["loss"] == pytest.approx(data_parallel["loss"], rel=1e-5)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(workdir / "ep" / "model", local_files_only=True)  # gathered whole
+    assert model.model.layers[1].mlp.experts.gate_up_proj.shape[0] == 8
+
+
+def test_convergence_with_and_without_the_plugin(workdir):
+    plugin = _run(workdir, "long", _recipe(), 30, 1)
+    stock = _run(workdir, "long-stock", _recipe(), 30, 1, "--no-adaptive")
+    _same_training(plugin, stock, processes=1)
+    assert plugin[-1]["loss"] < 0.8 * plugin[0]["loss"]
+
+
+def _model():
+    model = tiny_model("qwen3_moe", **TINY)
+    model.set_experts_implementation("bagualu")
+    return model
+
+
+def test_hf_gradient_checkpointing_is_refused():
+    model = _model()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"gradient_checkpointing_enable\(\).*gradient_checkpointing_disable"):
+        bgl.apply(model, Recipe.from_dict(_recipe()))
+
+
+def test_checkpoint_wrappers_are_refused_also_after_apply():
+    """What accelerate's fsdp_activation_checkpointing installs: torch's checkpoint wrappers."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    model = _model()
+    prov = bgl.apply(model, Recipe.from_dict(_recipe(capacity=2.0)))
+    apply_activation_checkpointing(model, check_fn=lambda m: m in list(model.model.layers))
+    ids = torch.randint(0, 128, (MBS, SEQ))
+    with pytest.raises(ValueError, match="wrapped for activation checkpointing.*fsdp_activation_checkpointing"):
+        with prov.micro_batch(ids):
+            model(input_ids=ids, labels=ids).loss.backward()
+
+
+def test_a_second_install_is_refused_until_removed():
+    model, recipe = _model(), Recipe.from_dict(_recipe(capacity=2.0))
+    prov = bgl.apply(model, recipe)
+    with pytest.raises(ValueError, match="has a Provisioner installed already"):
+        bgl.apply(model, recipe)
+    prov.remove()
+    bgl.apply(model, recipe).remove()
+
+
+def test_micro_batch_counts_and_checks_its_block():
+    model, ids = _model(), torch.randint(0, 128, (MBS, SEQ))
+    prov = bgl.apply(model, Recipe.from_dict(_recipe(capacity=2.0)))
+    for expected in [*range(M), 0]:  # the accumulation steps of one optimizer step, then the next
+        with prov.micro_batch(ids) as mb:
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert mb == expected
+    with pytest.raises(ValueError, match="ran no forward inside the block"):
+        with prov.micro_batch(ids):
+            pass
+    with pytest.raises(ValueError, match="a second forward inside one micro-batch"):
+        with prov.micro_batch(ids):
+            model(input_ids=ids)
+            model(input_ids=ids)
+    with prov.micro_batch(ids) as mb:  # still usable: a failed block abandons its optimizer step
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert mb == 0
+    prov.remove()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "message"),
+    [
+        (_recipe(dp=2), r"parallel\.dp=2, but Accelerate runs 1 processes"),
+        (_recipe(pipeline={"pp": 2, "micro_batches": 4}), r"pipeline\.pp=2: Accelerate runs no pipeline"),
+    ],
+    ids=["dp", "pp"],
+)
+def test_recipes_that_do_not_fit_the_accelerator(recipe, message):
+    with pytest.raises(ValueError, match=message):
+        prepare_model(_model(), Recipe.from_dict(recipe), Accelerator(cpu=True))
