@@ -12,6 +12,7 @@ import yaml
 from .config import RecipeError, load_recipe
 from .costmodel import MITIGATIONS, Curve
 from .families import FAMILIES
+from .planner import BudgetState
 from .report import plot_curves, plot_timeline, table
 from .stage import Stage
 from .units import fmt_bytes, fmt_seconds
@@ -128,11 +129,20 @@ def _validate(paths: Sequence[str]) -> int:
                 print(f"ok: {path} ({_validate_nanotron(path)})")
                 continue
             r = load_recipe(path)
+            stage = Stage.of(r)
+            try:  # Algorithm 1 can start: capacity holds the static bytes and M0 per micro-batch in flight
+                BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup)
+            except ValueError as exc:
+                raise RecipeError(path, [("hardware.capacity_bytes", str(exc))]) from None
         except RecipeError as exc:
             print(exc, file=sys.stderr)
             failed += 1
             continue
-        print(f"ok: {path} ({r.model.family}, {r.gpus} devices of {r.hardware.name}, pp {r.pipeline.pp} rank {r.pipeline.rank})")
+        memory = (
+            f"static {fmt_bytes(stage.static_bytes)} + {stage.warmup} in flight x M0 {fmt_bytes(stage.min_budget)} "
+            f"of capacity {fmt_bytes(stage.capacity)}"
+        )
+        print(f"ok: {path} ({r.model.family}, {r.gpus} devices of {r.hardware.name}, pp {r.pipeline.pp} rank {r.pipeline.rank}; {memory})")
     return 2 if failed else 0
 
 

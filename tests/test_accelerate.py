@@ -197,3 +197,28 @@ def test_micro_batch_counts_and_checks_its_block():
 def test_recipes_that_do_not_fit_the_accelerator(recipe, message):
     with pytest.raises(ValueError, match=message):
         prepare_model(_model(), Recipe.from_dict(recipe), Accelerator(cpu=True))
+
+
+RECIPES = ROOT / "recipes" / "accelerate"
+
+
+@pytest.mark.parametrize("name", ["launch-ddp-1x8.yaml", "launch-ddp-2x8.yaml", "launch-fsdp2-2x8.yaml"])
+def test_launch_configs_load_with_accelerate_s_own_classes(name):
+    """Each launch config is what `accelerate launch --config_file` reads, and names the bagualu
+    recipe it pairs with, which validates (capacity holds the static bytes and M0)."""
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+
+    from bagualu_plugin.cli import main
+
+    config = load_config_from_file(str(RECIPES / name))
+    assert isinstance(config, ClusterConfig) and config.num_processes == 8 * config.num_machines
+    if config.distributed_type == "FSDP":
+        assert config.fsdp_config["fsdp_version"] == 2 and config.fsdp_config["fsdp_activation_checkpointing"] is False
+    paired = RECIPES / next(word for word in (RECIPES / name).read_text().split() if word.endswith(".yaml") and not word.startswith("launch"))
+    assert main(["validate-recipe", str(paired)]) == 0
+    recipe = bgl.load_recipe(paired)
+    assert recipe.pipeline.pp == 1 and recipe.parallel.dp == config.num_processes
+
+
+def test_the_tiny_recipe_is_the_tests_own():
+    assert bgl.load_recipe(RECIPES / "tiny-qwen3-moe-2cpu.yaml") == Recipe.from_dict(_recipe(dp=2))
