@@ -214,7 +214,8 @@ def test_launch_configs_load_with_accelerate_s_own_classes(name):
     assert isinstance(config, ClusterConfig) and config.num_processes == 8 * config.num_machines
     if config.distributed_type == "FSDP":
         assert config.fsdp_config["fsdp_version"] == 2 and config.fsdp_config["fsdp_activation_checkpointing"] is False
-    paired = RECIPES / next(word for word in (RECIPES / name).read_text().split() if word.endswith(".yaml") and not word.startswith("launch"))
+    words = (RECIPES / name).read_text().split()
+    paired = RECIPES / next(word for word in words if word.endswith(".yaml") and not word.startswith("launch"))
     assert main(["validate-recipe", str(paired)]) == 0
     recipe = bgl.load_recipe(paired)
     assert recipe.pipeline.pp == 1 and recipe.parallel.dp == config.num_processes
