@@ -223,3 +223,14 @@ def test_launch_configs_load_with_accelerate_s_own_classes(name):
 
 def test_the_tiny_recipe_is_the_tests_own():
     assert bgl.load_recipe(RECIPES / "tiny-qwen3-moe-2cpu.yaml") == Recipe.from_dict(_recipe(dp=2))
+
+
+def test_a_quantized_checkpoint_is_refused_with_the_way_to_load_it():
+    """DeepSeek-V3 ships FP8 experts, which transformers runs through its FP8 experts interface;
+    the plugin needs them dequantized (FP8 quantization itself needs a GPU, so the config says it)."""
+    model = _model()
+    model.config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match=r"quant_method='fp8'.*FineGrainedFP8Config\(dequantize=True\)"):
+        bgl.apply(model, Recipe.from_dict(_recipe()))
+    model.config.quantization_config["dequantize"] = True
+    bgl.apply(model, Recipe.from_dict(_recipe())).remove()

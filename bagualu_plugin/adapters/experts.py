@@ -43,6 +43,21 @@ IMPLEMENTATION = "bagualu"  # the name given to from_pretrained(experts_implemen
 RUNNER_ATTR = "expert_op_runner"  # on an experts module: optional runner(unit, op, experts, *args, **kw)
 
 
+def require_plain_weights(config) -> None:
+    """The "bagualu" experts run on plain weights. A quantized checkpoint's experts (DeepSeek-V3
+    ships FP8) dispatch through transformers' quantized experts interface, where "bagualu" is not
+    registered (a KeyError at the first forward): refuse it here, with the way to load it."""
+    q = getattr(config, "quantization_config", None)
+    get = q.get if isinstance(q, dict) else lambda name, default=None: getattr(q, name, default)
+    method = None if q is None else get("quant_method")
+    if method is not None and not get("dequantize", False):
+        raise ValueError(
+            f"the checkpoint is quantized (quantization_config.quant_method={str(method)!r}) and the {IMPLEMENTATION!r} "
+            "experts run on plain weights: load it dequantized, e.g. from_pretrained(path, "
+            "quantization_config=FineGrainedFP8Config(dequantize=True)) for FP8"
+        )
+
+
 # --- the three operators -----------------------------------------------------------------------
 
 

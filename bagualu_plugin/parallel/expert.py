@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..adapters.adapter import GATE_ATTR, Adapter
-from ..adapters.experts import GROUP_ATTR, IMPLEMENTATION, local_expert_range, local_experts
+from ..adapters.experts import GROUP_ATTR, IMPLEMENTATION, local_expert_range, local_experts, require_plain_weights
 from ..adapters.gate import tokens_per_expert
 from ..adapters.scopes import enter_expert_op
 
@@ -170,6 +170,7 @@ def expert_parallel(model: nn.Module, group: dist.ProcessGroup | None = None) ->
     others' storage is freed (a meta-device model stays on meta, for a sharded load). The model
     must run the "bagualu" experts implementation and E must be divisible by the group size."""
     adapter = Adapter(model)
+    require_plain_weights(adapter.config)
     if adapter.config._experts_implementation != IMPLEMENTATION:
         raise ValueError(
             f"expert_parallel needs the {IMPLEMENTATION!r} experts implementation, the model runs "

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..adapters import Adapter, OpTracker, is_inside_backward
-from ..adapters.experts import RUNNER_ATTR
+from ..adapters.experts import RUNNER_ATTR, require_plain_weights
 from ..adapters.units import block_spans, block_units, unit_module
 from ..costmodel.graph import LOSS_OPS
 from ..costmodel.mitigation import MitigationOptions, cover
@@ -53,6 +53,7 @@ class PlanRuntime:
         """`ledger`: count into this one; otherwise a new Ledger of the model with the given
         (simulated) capacity and static bytes."""
         self.adapter = Adapter(model)
+        require_plain_weights(self.adapter.config)
         self.options = options
         self.tracker = OpTracker(self.adapter)
         self.ledger = ledger or Ledger.for_model(
