@@ -136,7 +136,8 @@ class Ledger:
     def __init__(self, *, capacity_bytes: int | None = None, static_bytes: int = 0,
                  exclude: Iterable[torch.Tensor] = (), current_op: Callable[[], object] = lambda: None,
                  source: Callable[[torch.Tensor], object] = lambda tensor: None,
-                 device: torch.device | str | None = None, on_overrun: OnOverrun = "raise"):
+                 device: torch.device | str | None = None, on_overrun: OnOverrun = "raise",
+                 model: nn.Module | None = None):
         self.capacity_bytes = capacity_bytes
         self.on_overrun = on_overrun
         self.overrun: SimulatedOutOfMemoryError | None = None
@@ -145,6 +146,9 @@ class Ledger:
         self.source = source
         self.micro_batch: int | None = None
         self._exclude = tuple(exclude)
+        self._model = model  # its parameters and buffers are looked up again at every refresh
+        self._gathered: dict[nn.Module, frozenset[StorageKey]] = {}  # FSDP2 modules' unsharded parameters
+        self._watched: set[nn.Module] = set()
         self._device = None if device is None else torch.device(device)
         self.refresh()
         self._live: dict[StorageKey, _Live] = {}
@@ -157,15 +161,45 @@ class Ledger:
 
     @classmethod
     def for_model(cls, model: nn.Module, **kw) -> Ledger:
-        """A ledger that never counts ``model``'s parameters and buffers (static memory)."""
-        exclude = [*model.parameters(), *model.buffers(), *kw.pop("exclude", ())]
-        return cls(exclude=exclude, **kw)
+        """A ledger that never counts ``model``'s parameters and buffers (static memory), whatever
+        wraps or replaces them after it was made (DDP, FSDP2: see `refresh`)."""
+        return cls(model=model, **kw)
 
     def refresh(self) -> None:
         """Look at the parameters again: they get new storages (and maybe a device) when the model
-        moves after the ledger was made (`.cuda()`, `.to(dtype)`, DDP's `prepare`)."""
+        moves after the ledger was made (`.cuda()`, `.to(dtype)`, DDP's `prepare`), or new objects
+        (FSDP2's `fully_shard` replaces them with sharded ones). An FSDP2 module's whole parameters
+        exist from its forward pre-hook, which gathers them, until its forward ends: they are
+        excluded for that time (`_watch_fsdp`)."""
         self._excluded = self._exclusion_keys()
-        self.device = self._device if self._device is not None else model_device(self._exclude)
+        self.device = self._device if self._device is not None else model_device(self._static())
+        self._watch_fsdp()
+
+    def _static(self) -> list[torch.Tensor]:
+        model = [] if self._model is None else [*self._model.parameters(), *self._model.buffers()]
+        return [*model, *self._exclude]
+
+    def _watch_fsdp(self) -> None:
+        """Hooks after FSDP2's own on every module `fully_shard` made, registered once: its
+        parameters' storages are excluded while gathered (FSDP2's pre-forward hook, registered
+        first, has gathered them), also when a recompute runs the module again in backward."""
+        if self._model is None:
+            return
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # a torch without FSDP2
+            return
+        for module in self._model.modules():
+            if isinstance(module, FSDPModule) and module not in self._watched:
+                self._watched.add(module)
+                module.register_forward_pre_hook(self._gather)
+                module.register_forward_hook(self._reshard)
+
+    def _gather(self, module: nn.Module, *_) -> None:
+        self._gathered[module] = frozenset(found[0] for p in module.parameters() if (found := _storage(p)) is not None)
+
+    def _reshard(self, module: nn.Module, *_) -> None:
+        self._gathered.pop(module, None)
 
     # ------------------------------------------------------------------ recording
 
@@ -207,7 +241,10 @@ class Ledger:
     def excludes(self, tensor: torch.Tensor) -> bool:
         """True for the storage of a parameter or buffer (static memory, never counted here)."""
         found = _storage(tensor)
-        return found is not None and found[0] in self._excluded
+        return found is not None and self._is_static(found[0])
+
+    def _is_static(self, key: StorageKey) -> bool:
+        return key in self._excluded or any(key in keys for keys in self._gathered.values())
 
     def record(self, tensor: torch.Tensor, residency: Residency = "device") -> None:
         """Charge the storage of ``tensor`` until every recorded tensor object of it has died.
@@ -228,7 +265,7 @@ class Ledger:
         op, micro_batch, source = self.current_op(), self.micro_batch, self.source(tensor)
         with self._lock:
             self._apply_releases()
-            if key in self._excluded:
+            if self._is_static(key):
                 return
             entry = self._live.get(key)
             if entry is None:
@@ -380,7 +417,7 @@ class Ledger:
         return out
 
     def _exclusion_keys(self) -> frozenset[StorageKey]:
-        return frozenset(found[0] for t in self._exclude if (found := _storage(t)) is not None)
+        return frozenset(found[0] for t in self._static() if (found := _storage(t)) is not None)
 
     def _cuda_device(self, what: str) -> torch.device:
         if self.device.type != "cuda":

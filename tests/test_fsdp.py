@@ -1,0 +1,62 @@
+"""FSDP2 (torch's `fully_shard`, what accelerate's FSDP2 applies) over 2 gloo processes on CPU:
+the plugin installed before the model is sharded, as before `accelerator.prepare`. The Ledger
+never counts the sharded or the gathered parameters (FSDP2 gathers a module's whole parameters in
+its forward pre-hook, and its ops save views of them), so each micro-batch keeps exactly what the
+same micro-batch keeps unsharded, whole or planned, and the loss is the same bit for bit."""
+
+import pytest
+import torch
+
+import bagualu_plugin as bgl
+from bagualu_plugin.adapters import tiny_model
+from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.config import Recipe
+from bagualu_plugin.costmodel import ModelDims
+from bagualu_plugin.parallel.launch import run_ranks
+
+SEQ, MBS = 32, 2
+
+
+def _recipe(model, capacity: float) -> Recipe:
+    keep = model_cost(model).activation_bytes(MBS * SEQ, seq_len=SEQ)
+    return Recipe.from_dict({
+        "hardware": {"preset": "cpu", "capacity_bytes": int(capacity * keep)},
+        "model": ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa").model_dump(),
+        "parallel": {"dp": 2},
+        "pipeline": {"pp": 1, "micro_batches": 1},
+        "batch": {"seq_len": SEQ, "micro_batch_size": MBS},
+        "budget": {"non_activation_bytes": 0},
+        "strategies": {"allowed": ["recompute", "offload"]},
+    })
+
+
+def _micro_batch(rank: int, size: int, capacity: float) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.randint(0, 128, (MBS, SEQ), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for sharded in (False, True):
+        model = tiny_model("qwen3_moe", num_hidden_layers=4)
+        model.set_experts_implementation("bagualu")
+        prov = bgl.apply(model, _recipe(model, capacity))
+        if sharded:
+            mesh = init_device_mesh("cpu", (size,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        with prov.micro_batch(ids):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        event = prov.events[-1]
+        out[sharded] = (event.actual, event.plan, loss.detach())
+        prov.remove()
+    return out
+
+
+@pytest.mark.parametrize("capacity", [4.0, 0.7], ids=["kept", "planned"])
+def test_the_ledger_counts_activations_only_under_fsdp2(capacity):
+    for rank in run_ranks(_micro_batch, 2, capacity, timeout_s=120):
+        (plain, plan, loss), (sharded, sharded_plan, sharded_loss) = rank[False], rank[True]
+        assert sharded == plain and sharded_plan == plan and torch.equal(sharded_loss, loss)
+        assert bool(plan) == (capacity < 1)
