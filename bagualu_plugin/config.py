@@ -127,6 +127,11 @@ class Budget(_Section):
     grad_bytes_per_param: float = Field(default=4.0, ge=0)
     optimizer_bytes_per_param: float = Field(default=12.0, ge=0)
     shard_optimizer: bool = Field(default=True, description="optimizer state divided over dp ranks")
+    fsdp: bool = Field(
+        default=False,
+        description="FSDP full shard: weights, gradients and optimizer state divided over dp ranks, "
+        "plus two decoder layers' weights gathered whole (one running, one prefetched)",
+    )
 
 
 class Telemetry(_Section):
@@ -189,6 +194,8 @@ class Recipe(_Section):
         m, par, pipe, spikes = self.model, self.parallel, self.pipeline, self.spikes
         cap, group = self.hardware.capacity_bytes, par.dp * par.tp
         problems = []
+        if self.budget.fsdp and par.ep != 1:
+            problems.append(("budget.fsdp", f"FSDP shards the experts itself: parallel.ep must be 1, got {par.ep}"))
         if m.num_experts % par.ep:
             problems.append(("parallel.ep", f"ep ({par.ep}) must divide model.num_experts ({m.num_experts})"))
         if group % par.ep:

@@ -30,7 +30,11 @@ class Stage:
         whole = cost or CostModel.from_config(recipe.model, recipe.hardware, par)
         stage = whole.stage(pipe.pp, pipe.rank) if split else whole
         tokens = recipe.batch.tokens
-        if budget.non_activation_bytes == "auto":
+        if budget.non_activation_bytes == "auto" and budget.fsdp:
+            static = stage.fsdp_static_bytes(
+                budget.weight_bytes_per_param, budget.grad_bytes_per_param, budget.optimizer_bytes_per_param, shards=par.dp
+            )
+        elif budget.non_activation_bytes == "auto":
             static = stage.static_bytes(
                 budget.weight_bytes_per_param,
                 budget.grad_bytes_per_param,

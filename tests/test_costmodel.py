@@ -414,3 +414,22 @@ def test_cast_roofline_uses_measured_knees_where_given():
     cpu, h100 = preset("cpu"), preset("h100")
     assert (cast_kernel(cpu).peak, cast_kernel(cpu).launch_s) == (cpu.cast_bandwidth, cpu.cast_launch_s)
     assert (cast_kernel(h100).peak, cast_kernel(h100).launch_s) == (h100.hbm_bandwidth, h100.kernel_launch_s)
+
+
+def test_fsdp_static_bytes_shard_everything_and_gather_two_layers():
+    """Under FSDP full shard every parameter's weights, gradients and optimizer state are divided
+    over the shards, and two decoder layers' weights are whole (running and prefetched)."""
+    cm = CostModel.from_config(_tiny(num_layers=8, first_k_dense=2, dense_intermediate_size=96), preset("h100"))
+    dense, expert = cm.parameter_counts()
+    layer = max(cm.blocks[i].dense_params + cm.blocks[i].expert_params for i in cm.layers)
+    assert layer == cm.blocks[2].dense_params + cm.blocks[2].expert_params  # an MoE layer is the largest
+    assert cm.fsdp_static_bytes(2, 2, 8, shards=16) == round((dense + expert) * 12 / 16 + 2 * layer * 2)
+
+
+def test_fsdp_with_expert_parallelism_is_refused():
+    from bagualu_plugin.config import Recipe, RecipeError, load_recipe
+
+    data = load_recipe("qwen3_moe").model_dump()
+    data["budget"]["fsdp"] = True
+    with pytest.raises(RecipeError, match=r"budget\.fsdp: FSDP shards the experts itself: parallel\.ep must be 1, got 8"):
+        Recipe.from_dict(data)

@@ -304,6 +304,14 @@ class CostModel:
         per = weight_bytes + grad_bytes
         return round(dense * (per + optimizer_bytes / dense_shards) + expert * (per + optimizer_bytes / expert_shards))
 
+    def fsdp_static_bytes(self, weight_bytes: float, grad_bytes: float, optimizer_bytes: float, shards: int, gathered: int = 2) -> int:
+        """Non-activation memory under FSDP full shard: every local parameter's weights, gradients
+        and optimizer state divided over `shards`, plus the largest decoder layer's weights whole,
+        `gathered` times (the one running and the one prefetched)."""
+        dense, expert = self.parameter_counts()
+        layer = max((self.blocks[i].dense_params + self.blocks[i].expert_params for i in self.layers), default=0)
+        return round((dense + expert) * (weight_bytes + grad_bytes + optimizer_bytes) / shards + gathered * layer * weight_bytes)
+
     # persistence -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
