@@ -1,0 +1,166 @@
+"""Fused dual-batch execution (paper §V-B): the order in which one steady scheduling point F_x B_y
+runs its four operator classes, the forward of x (F), the backward of y (B), the offload of x-1
+(O) and the recovery, reload and recompute, of y+1 (R), on a compute stream and a copy /
+communication stream.
+
+The classes have no data dependencies on each other (four different micro-batches: hence the
+pipeline degree must exceed 2), and each is a chain. A class's operators are compacted into
+stages split at its communication ops (dispatch / combine all-to-all, offload / reload copies):
+a stage is consecutive work on one stream, `StageTime(compute_s, copy_s)`. `solve` is the DP
+F[i][j][k][l] of §V-B over prefixes of the four stage lists: a transition runs, together, the
+next consecutive stages of any classes, costing `window_time`: the classes share the two
+streams, and each class's own stages still follow one another. Prefixes only ever grow, so the
+order inside every class is the program order. The transfer points give the order back.
+
+Runtime solving: a scheduling point's stage lists follow from the micro-batches' plans, which
+follow from the budget and the routing, so `ScheduleCache` keys schedules by the discretised
+budget and routing bucket; budgets repeat with the pipeline phase and routing is stable in most
+iterations, so most points skip the DP.
+
+Pure: numbers in, numbers out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+CLASSES = ("F", "B", "O", "R")
+
+
+@dataclass(frozen=True)
+class StageTime:
+    """One stage: seconds on the compute stream and on the copy / communication stream."""
+
+    compute_s: float = 0.0
+    copy_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.compute_s < 0 or self.copy_s < 0:
+            raise ValueError(f"stage times must be >= 0, got compute {self.compute_s}, copy {self.copy_s}")
+
+
+Stages = Sequence[Sequence[StageTime]]  # per class (F, B, O, R), its stages in program order
+
+
+def window_time(runs: Stages) -> float:
+    """T of §V-B: the time of running, together, one run of consecutive stages per class. The
+    classes share the two streams (each stream's total), and a class's stages follow one another
+    (its own total on both streams)."""
+    compute = sum(s.compute_s for run in runs for s in run)
+    copy = sum(s.copy_s for run in runs for s in run)
+    chain = max((sum(s.compute_s + s.copy_s for s in run) for run in runs), default=0.0)
+    return max(compute, copy, chain)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The DP's answer: the predicted time and the windows, each the (start, end) stage range
+    of every class that runs in it (empty ranges for classes that do not)."""
+
+    time_s: float
+    windows: tuple[tuple[tuple[int, int], ...], ...]
+
+    def order(self) -> list[tuple[str, int]]:
+        """(class, stage) in issue order: window by window, classes in F, B, O, R order."""
+        return [(CLASSES[c], s) for window in self.windows for c, (a, b) in enumerate(window) for s in range(a, b)]
+
+    def serial_time(self, stages: Stages) -> float:
+        """The same stages one class after another (no overlap): what the fused order saves on."""
+        return sum(window_time([run]) for run in stages)
+
+
+def check_pipeline(pp: int) -> None:
+    """§V-B needs four distinct micro-batches at a steady point F_x B_y: x - y > 2."""
+    if pp <= 2:
+        raise ValueError(
+            f"dual-batch execution needs a pipeline of more than 2 stages (x - y > 2 at a steady scheduling point "
+            f"F_x B_y, so that F, B, O and R belong to four micro-batches), got pp={pp}"
+        )
+
+
+def solve(stages: Stages) -> Schedule:
+    """The DP of §V-B over the four classes' stage prefixes (fewer classes are allowed: an empty
+    stage list). O(prod(n_c + 1)^2) transitions: fine for the handful of stages compaction leaves."""
+    lists = [tuple(run) for run in stages]
+    if len(lists) != len(CLASSES):
+        raise ValueError(f"give one stage list per class {CLASSES}, got {len(lists)}")
+    sizes = tuple(len(run) for run in lists)
+    prefix = [[(0.0, 0.0, 0.0)] for _ in lists]  # per class: cumulative (compute, copy, both)
+    for c, run in enumerate(lists):
+        for s in run:
+            a, b, ab = prefix[c][-1]
+            prefix[c].append((a + s.compute_s, b + s.copy_s, ab + s.compute_s + s.copy_s))
+
+    def cost(start: tuple[int, ...], end: tuple[int, ...]) -> float:
+        compute = copy = chain = 0.0
+        for c in range(len(lists)):
+            lo, hi = prefix[c][start[c]], prefix[c][end[c]]
+            compute += hi[0] - lo[0]
+            copy += hi[1] - lo[1]
+            chain = max(chain, hi[2] - lo[2])
+        return max(compute, copy, chain)
+
+    @lru_cache(maxsize=None)
+    def best(end: tuple[int, ...]) -> tuple[float, tuple[int, ...] | None]:
+        if not any(end):
+            return 0.0, None
+        found = (float("inf"), None)
+        for start in itertools.product(*(range(e + 1) for e in end)):
+            if start == end:
+                continue
+            total = best(start)[0] + cost(start, end)
+            if total < found[0]:
+                found = (total, start)
+        return found
+
+    total, windows, end = best(sizes)[0], [], sizes
+    while any(end):
+        start = best(end)[1]
+        windows.append(tuple(zip(start, end)))
+        end = start
+    best.cache_clear()
+    return Schedule(total, tuple(reversed(windows)))
+
+
+def brute_force(stages: Stages) -> float:
+    """The same minimum by enumerating every monotone path of prefixes (tests only)."""
+    sizes = tuple(len(run) for run in stages)
+
+    def paths(end: tuple[int, ...]):
+        if not any(end):
+            yield 0.0
+            return
+        for start in itertools.product(*(range(e + 1) for e in end)):
+            if start != end:
+                step = window_time([run[a:b] for run, a, b in zip(stages, start, end)])
+                for head in paths(start):
+                    yield head + step
+
+    return min(paths(sizes))
+
+
+class ScheduleCache:
+    """Schedules keyed by the scheduling point's discretised budget and routing bucket (§V-B
+    "runtime solving"); `stages(key)` builds the stage lists of a key on a miss."""
+
+    def __init__(self, stages: Callable[[Hashable], Stages]):
+        self._stages, self._schedules = stages, {}
+        self.hits = self.misses = 0
+
+    def get(self, budget_bucket: int, routing_bucket: int, phase: Hashable = None) -> Schedule:
+        key = (budget_bucket, routing_bucket, phase)
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            self.misses += 1
+            schedule = self._schedules[key] = solve(self._stages(key))
+        else:
+            self.hits += 1
+        return schedule
+
+    @property
+    def hit_rate(self) -> float:
+        asked = self.hits + self.misses
+        return self.hits / asked if asked else 0.0

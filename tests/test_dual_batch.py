@@ -1,0 +1,70 @@
+"""The §V-B dynamic program (`planner.dual_batch`): equal to brute force on small instances, the
+order inside every class kept, the windows' times summing to the optimum, and the cache."""
+
+import random
+
+import pytest
+
+from bagualu_plugin.planner.dual_batch import (
+    CLASSES,
+    ScheduleCache,
+    StageTime,
+    brute_force,
+    check_pipeline,
+    solve,
+    window_time,
+)
+
+
+def _instance(rng: random.Random, most: int) -> list[list[StageTime]]:
+    """Stage lists that alternate compute and copy stages, as compaction at communication ops makes them."""
+    classes = []
+    for _ in CLASSES:
+        n, first = rng.randint(0, most), rng.random() < 0.5
+        classes.append([
+            StageTime(compute_s=rng.uniform(0.1, 3.0)) if (s % 2 == 0) == first else StageTime(copy_s=rng.uniform(0.1, 3.0))
+            for s in range(n)
+        ])
+    return classes
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_dp_equals_brute_force_and_keeps_every_class_in_order(seed):
+    stages = _instance(random.Random(seed), 2 if seed % 2 else 3)
+    schedule = solve(stages)
+    if sum(map(len, stages)) <= 7:  # brute force enumerates every path: small instances only
+        assert schedule.time_s == pytest.approx(brute_force(stages))
+    for c, run in enumerate(stages):  # each class's stages exactly once, in program order
+        assert [s for cls, s in schedule.order() if cls == CLASSES[c]] == list(range(len(run)))
+    windows = sum(window_time([run[a:b] for run, (a, b) in zip(stages, w)]) for w in schedule.windows)
+    assert windows == pytest.approx(schedule.time_s)
+    assert schedule.time_s <= schedule.serial_time(stages) + 1e-12
+
+
+def test_overlap_hides_copies_behind_compute():
+    """Forward compute and an offload's copies run at once: the time is the longer stream's."""
+    f, o = [StageTime(compute_s=2.0), StageTime(compute_s=2.0)], [StageTime(copy_s=1.5), StageTime(copy_s=1.5)]
+    schedule = solve([f, [], o, []])
+    assert schedule.time_s == pytest.approx(4.0) and schedule.serial_time([f, [], o, []]) == pytest.approx(7.0)
+
+
+def test_a_pipeline_of_two_or_fewer_stages_is_refused():
+    for pp in (1, 2):
+        with pytest.raises(ValueError, match=r"x - y > 2.*pp=" + str(pp)):
+            check_pipeline(pp)
+    check_pipeline(3)
+
+
+def test_the_cache_solves_each_key_once():
+    built = []
+
+    def stages(key):
+        built.append(key)
+        return _instance(random.Random(hash(key) % 1000), 2)
+
+    cache = ScheduleCache(stages)
+    for _ in range(5):
+        for phase in ("steady",):
+            for bucket in (3, 4):
+                cache.get(bucket, 1, phase)
+    assert len(built) == 2 and (cache.hits, cache.misses) == (8, 2) and cache.hit_rate == 0.8
