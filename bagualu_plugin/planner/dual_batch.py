@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 CLASSES = ("F", "B", "O", "R")
 
@@ -103,7 +103,7 @@ def solve(stages: Stages) -> Schedule:
             chain = max(chain, hi[2] - lo[2])
         return max(compute, copy, chain)
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(end: tuple[int, ...]) -> tuple[float, tuple[int, ...] | None]:
         if not any(end):
             return 0.0, None
