@@ -23,9 +23,14 @@ Pure: numbers in, numbers out.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
+
+from ..costmodel import CostModel, OpId
+from ..costmodel.graph import COMM_OPS
+from ..costmodel.mitigation import Footprint, MitigationOptions, footprint
+from ..costmodel.model import Routed
 
 CLASSES = ("F", "B", "O", "R")
 
@@ -164,3 +169,63 @@ class ScheduleCache:
     def hit_rate(self) -> float:
         asked = self.hits + self.misses
         return self.hits / asked if asked else 0.0
+
+
+def point_stages(
+    cm: CostModel,
+    forward: Mapping[OpId, str],
+    backward: Mapping[OpId, str],
+    offload: Mapping[OpId, str],
+    recovery: Mapping[OpId, str],
+    tokens: int,
+    routed: Routed = None,
+    seq_len: int | None = None,
+    options: MitigationOptions = MitigationOptions(),
+) -> list[list[StageTime]]:
+    """The stage lists of a steady scheduling point F_x B_y from the cost model, each micro-batch
+    under its plan (all of `tokens` and `routed`):
+    - F: x's forward, ops in program order (with FP8 casts), dispatch / combine on the copy stream;
+    - B: y's backward, ops in reverse (with FP8 casts back), its all-to-alls on the copy stream;
+    - O: x-1's offload copies, block by block, on the copy stream;
+    - R: y+1's recovery, block by block from the last: its reloads (copy stream), then its
+      recompute (compute stream).
+    Consecutive work on one stream is one stage (compaction at the communication ops)."""
+    loads, hw = cm.loads(tokens, routed, seq_len), cm.hardware
+
+    def block_plan(plan: Mapping[OpId, str], i: int, only: str | None = None) -> dict[str, str]:
+        return {op.name: s for op, s in plan.items() if op.layer == i and (only is None or s == only)}
+
+    def extra(plan: Mapping[OpId, str], i: int, only: str) -> Footprint:
+        return footprint(cm.blocks[i], block_plan(plan, i, only), loads[i], hw, options)
+
+    f, b, o, r = [], [], [], []
+    for i, block in cm.blocks.items():
+        casts = extra(forward, i, "fp8").forward_extra_s
+        f.append(StageTime(compute_s=casts))
+        for op in block.ops:
+            t = op.forward_s.at(loads[i])
+            f.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
+        o.append(StageTime(copy_s=extra(offload, i, "offload").forward_extra_s))
+    for i in reversed(list(cm.blocks)):
+        block = cm.blocks[i]
+        for op in reversed(block.ops):
+            t = op.backward_s.at(loads[i])
+            b.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
+        b.append(StageTime(compute_s=extra(backward, i, "fp8").backward_extra_s))
+        r.append(StageTime(copy_s=extra(recovery, i, "offload").backward_extra_s))
+        r.append(StageTime(compute_s=extra(recovery, i, "recompute").backward_extra_s))
+    return [_compact(stages) for stages in (f, b, o, r)]
+
+
+def _compact(stages: list[StageTime]) -> list[StageTime]:
+    """Merge consecutive stages on the same stream; drop empty ones."""
+    out: list[StageTime] = []
+    for s in stages:
+        if s.compute_s == 0 and s.copy_s == 0:
+            continue
+        stream = "compute" if s.copy_s == 0 else "copy"
+        if out and ("compute" if out[-1].copy_s == 0 else "copy") == stream:
+            out[-1] = StageTime(out[-1].compute_s + s.compute_s, out[-1].copy_s + s.copy_s)
+        else:
+            out.append(s)
+    return out
