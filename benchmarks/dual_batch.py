@@ -4,7 +4,8 @@ For every Table II preset (`recipes/bagualu/cluster/`), pipeline rank 0 at balan
 Algorithm 1's steady budget (the capacity left after the static bytes, over the micro-batches in
 flight), Algorithm 2's plan for it, then one steady scheduling point F_x B_y whose four classes
 (forward of x, backward of y, offload of x-1, recovery of y+1) all run that plan
-(`planner.dual_batch.point_stages`). Printed per preset: the point's predicted time with the
+(`planner.dual_batch.point_stages`),
+solved one transformer block at a time (`solve_blocks`). Printed per preset: the point's predicted time with the
 classes one after another and in the DP's fused order, their ratio, the iteration's ratio (the
 warmup forwards and cooldown backwards stay unfused), and the DP's solve time uncached and
 through the cache over 100 iterations' steady points. All predicted by the cost model: nothing
@@ -21,7 +22,7 @@ import time
 
 from bagualu_plugin.config import builtin_recipes, load_recipe
 from bagualu_plugin.planner import plan_micro_batch
-from bagualu_plugin.planner.dual_batch import ScheduleCache, point_stages, solve, window_time
+from bagualu_plugin.planner.dual_batch import ScheduleCache, joined, point_stages, solve_blocks, window_time
 from bagualu_plugin.report import table
 from bagualu_plugin.stage import Stage
 from bagualu_plugin.units import fmt_seconds
@@ -35,12 +36,13 @@ def main() -> None:
         recipe, cm, seq = stage.recipe, stage.cost, stage.recipe.batch.seq_len
         budget = (stage.capacity - stage.static_bytes) / stage.warmup
         plan = plan_micro_batch(cm, budget, stage.tokens, seq_len=seq, strategies=recipe.strategies.allowed).plan
-        stages = point_stages(cm, plan, plan, plan, plan, stage.tokens, seq_len=seq)
+        blocks = point_stages(cm, plan, plan, plan, plan, stage.tokens, seq_len=seq)
+        stages = joined(blocks)
         start = time.perf_counter()
-        schedule = solve(stages)
+        schedule = solve_blocks(blocks)
         uncached = time.perf_counter() - start
         steady = recipe.pipeline.micro_batches - recipe.pipeline.pp  # steady points on rank 0
-        cache = ScheduleCache(lambda key, stages=stages: stages)
+        cache = ScheduleCache(lambda key, blocks=blocks: blocks)
         start = time.perf_counter()
         for _ in range(100 * steady):  # one miss, then hits: budgets repeat with the phase (§V-B)
             cache.get(round(budget), 0, "steady")

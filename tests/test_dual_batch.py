@@ -60,7 +60,7 @@ def test_the_cache_solves_each_key_once():
 
     def stages(key):
         built.append(key)
-        return _instance(random.Random(hash(key) % 1000), 2)
+        return [_instance(random.Random(hash(key) % 1000), 2)]  # one block
 
     cache = ScheduleCache(stages)
     for _ in range(5):
@@ -73,32 +73,35 @@ def test_the_cache_solves_each_key_once():
 def test_a_scheduling_point_s_stages_come_from_the_cost_model():
     """Under expert parallelism a forward's compute is split at every dispatch and combine; the
     offload of x-1 is copies, the recovery of y+1 reloads and recompute; the stage totals are the
-    cost model's times, and the fused order is no slower than the classes one after another."""
+    cost model's times. Solved block by block, the point is no faster than the whole DP allows and
+    faster than the classes one after another."""
     from bagualu_plugin.costmodel import CostModel, ModelDims, OpId, Parallel
     from bagualu_plugin.hardware import preset
-    from bagualu_plugin.planner.dual_batch import point_stages
+    from bagualu_plugin.planner.dual_batch import joined, point_stages, solve_blocks
 
     dims = ModelDims(family="qwen3_moe", hidden_size=256, num_layers=4, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=64, vocab_size=1024, num_experts=8, top_k=2, moe_intermediate_size=128, qk_norm=True)
     cm = CostModel.from_config(dims, preset("h100"), Parallel(dp=2, ep=2))
-    moe = cm.moe_layers
+    moe, tokens, seq = cm.moe_layers, 4096, 4096
     offload = {OpId(i, "expert_fc1"): "offload" for i in moe}
     recompute = {OpId(i, n): "recompute" for i in moe for n in ("expert_fc1", "expert_act", "expert_fc2")}
-    tokens = 4096
-    f, b, o, r = point_stages(cm, recompute, recompute, offload, recompute, tokens, seq_len=4096)
+    blocks = point_stages(cm, recompute, recompute, offload, recompute, tokens, seq_len=seq)
+    assert len(blocks) == len(cm.blocks)
+    f, b, o, r = joined(blocks)
     assert sum(s.copy_s > 0 for s in f) == 2 * len(moe) and sum(s.copy_s > 0 for s in b) == 2 * len(moe)
     assert all((s.compute_s == 0) != (s.copy_s == 0) for run in (f, b, o, r) for s in run)  # one stream per stage
-    assert all(s.compute_s == 0 for s in o) and len(o) == 1  # one run of copies
-    loads = cm.loads(tokens, seq_len=4096)
+    assert all(s.compute_s == 0 for s in o) and len(o) == len(moe)  # one run of copies per offloading block
+    loads = cm.loads(tokens, seq_len=seq)
     forward = sum(op.forward_s.at(loads[i]) for i, blk in cm.blocks.items() for op in blk.ops)
     assert sum(s.compute_s + s.copy_s for s in f) == pytest.approx(forward)
     unit = [OpId(moe[0], n) for n in ("expert_fc1", "expert_act", "expert_fc2")]
-    assert sum(s.compute_s for s in r) == pytest.approx(len(moe) * cm.mitigation_cost(unit, "recompute", tokens, seq_len=4096).backward_s)
-    copies = sum(cm.mitigation_cost(op, "offload", tokens, seq_len=4096).forward_s for op in offload)
-    assert sum(s.copy_s for s in o) == pytest.approx(copies) and not point_stages(cm, {}, {}, {}, offload, tokens, seq_len=4096)[2]
-    stages = [f, b, o, r]
-    schedule = solve(stages)
-    assert max(window_time([run]) for run in stages) <= schedule.time_s < schedule.serial_time(stages)
+    assert sum(s.compute_s for s in r) == pytest.approx(len(moe) * cm.mitigation_cost(unit, "recompute", tokens, seq_len=seq).backward_s)
+    copies = sum(cm.mitigation_cost(op, "offload", tokens, seq_len=seq).forward_s for op in offload)
+    assert sum(s.copy_s for s in o) == pytest.approx(copies) and not joined(point_stages(cm, {}, {}, {}, offload, tokens, seq_len=seq))[2]
+    stages, blockwise = [f, b, o, r], solve_blocks(blocks)
+    for c, run in enumerate(stages):  # the joined windows still keep every class in order
+        assert [s for cls, s in blockwise.order() if cls == CLASSES[c]] == list(range(len(run)))
+    assert solve(stages).time_s <= blockwise.time_s + 1e-12 < blockwise.serial_time(stages)
 
 
 def test_the_benchmark_prints_every_table_ii_preset():

@@ -149,9 +149,10 @@ def brute_force(stages: Stages) -> float:
 
 class ScheduleCache:
     """Schedules keyed by the scheduling point's discretised budget and routing bucket (§V-B
-    "runtime solving"); `stages(key)` builds the stage lists of a key on a miss."""
+    "runtime solving"); `stages(key)` builds the point's stages of a key, block by block
+    (`point_stages`), on a miss."""
 
-    def __init__(self, stages: Callable[[Hashable], Stages]):
+    def __init__(self, stages: Callable[[Hashable], Sequence[Stages]]):
         self._stages, self._schedules = stages, {}
         self.hits = self.misses = 0
 
@@ -160,7 +161,7 @@ class ScheduleCache:
         schedule = self._schedules.get(key)
         if schedule is None:
             self.misses += 1
-            schedule = self._schedules[key] = solve(self._stages(key))
+            schedule = self._schedules[key] = solve_blocks(self._stages(key))
         else:
             self.hits += 1
         return schedule
@@ -181,40 +182,66 @@ def point_stages(
     routed: Routed = None,
     seq_len: int | None = None,
     options: MitigationOptions = MitigationOptions(),
-) -> list[list[StageTime]]:
-    """The stage lists of a steady scheduling point F_x B_y from the cost model, each micro-batch
-    under its plan (all of `tokens` and `routed`):
-    - F: x's forward, ops in program order (with FP8 casts), dispatch / combine on the copy stream;
-    - B: y's backward, ops in reverse (with FP8 casts back), its all-to-alls on the copy stream;
-    - O: x-1's offload copies, block by block, on the copy stream;
-    - R: y+1's recovery, block by block from the last: its reloads (copy stream), then its
+) -> list[list[list[StageTime]]]:
+    """The stages of a steady scheduling point F_x B_y from the cost model, each micro-batch under
+    its plan (all of `tokens` and `routed`), block by block: element k holds the four classes'
+    stages of their k-th block in execution order (§V-B solves one transformer block's few stages
+    at a time, `solve_blocks`):
+    - F: x's forward of block k, ops in program order (with FP8 casts), dispatch / combine on the
+      copy stream;
+    - B: y's backward of the k-th block from the last, ops in reverse (with FP8 casts back), its
+      all-to-alls on the copy stream;
+    - O: x-1's offload copies of block k, on the copy stream;
+    - R: y+1's recovery of the k-th block from the last: its reloads (copy stream), then its
       recompute (compute stream).
     Consecutive work on one stream is one stage (compaction at the communication ops)."""
     loads, hw = cm.loads(tokens, routed, seq_len), cm.hardware
 
-    def block_plan(plan: Mapping[OpId, str], i: int, only: str | None = None) -> dict[str, str]:
-        return {op.name: s for op, s in plan.items() if op.layer == i and (only is None or s == only)}
-
     def extra(plan: Mapping[OpId, str], i: int, only: str) -> Footprint:
-        return footprint(cm.blocks[i], block_plan(plan, i, only), loads[i], hw, options)
+        mine = {op.name: s for op, s in plan.items() if op.layer == i and s == only}
+        return footprint(cm.blocks[i], mine, loads[i], hw, options)
 
-    f, b, o, r = [], [], [], []
-    for i, block in cm.blocks.items():
-        casts = extra(forward, i, "fp8").forward_extra_s
-        f.append(StageTime(compute_s=casts))
-        for op in block.ops:
+    def forward_of(i: int) -> list[StageTime]:
+        stages = [StageTime(compute_s=extra(forward, i, "fp8").forward_extra_s)]
+        for op in cm.blocks[i].ops:
             t = op.forward_s.at(loads[i])
-            f.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
-        o.append(StageTime(copy_s=extra(offload, i, "offload").forward_extra_s))
-    for i in reversed(list(cm.blocks)):
-        block = cm.blocks[i]
-        for op in reversed(block.ops):
+            stages.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
+        return stages
+
+    def backward_of(i: int) -> list[StageTime]:
+        stages = []
+        for op in reversed(cm.blocks[i].ops):
             t = op.backward_s.at(loads[i])
-            b.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
-        b.append(StageTime(compute_s=extra(backward, i, "fp8").backward_extra_s))
-        r.append(StageTime(copy_s=extra(recovery, i, "offload").backward_extra_s))
-        r.append(StageTime(compute_s=extra(recovery, i, "recompute").backward_extra_s))
-    return [_compact(stages) for stages in (f, b, o, r)]
+            stages.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
+        return [*stages, StageTime(compute_s=extra(backward, i, "fp8").backward_extra_s)]
+
+    def recovery_of(i: int) -> list[StageTime]:
+        return [StageTime(copy_s=extra(recovery, i, "offload").backward_extra_s),
+                StageTime(compute_s=extra(recovery, i, "recompute").backward_extra_s)]
+
+    order = list(cm.blocks)
+    return [
+        [_compact(forward_of(i)), _compact(backward_of(j)), _compact([StageTime(copy_s=extra(offload, i, "offload").forward_extra_s)]),
+         _compact(recovery_of(j))]
+        for i, j in zip(order, reversed(order))
+    ]
+
+
+def solve_blocks(blocks: Sequence[Stages]) -> Schedule:
+    """A scheduling point solved one block at a time (`point_stages`' elements) and joined: the
+    windows never cross a block boundary, which keeps each DP at a few stages per class."""
+    total, windows, offsets = 0.0, [], [0] * len(CLASSES)
+    for stages in blocks:
+        part = solve(stages)
+        total += part.time_s
+        windows += [tuple((a + o, b + o) for (a, b), o in zip(w, offsets)) for w in part.windows]
+        offsets = [o + len(run) for o, run in zip(offsets, stages)]
+    return Schedule(total, tuple(windows))
+
+
+def joined(blocks: Sequence[Stages]) -> list[list[StageTime]]:
+    """The four classes' whole stage lists of a point given block by block."""
+    return [[s for stages in blocks for s in stages[c]] for c in range(len(CLASSES))]
 
 
 def _compact(stages: list[StageTime]) -> list[StageTime]:
