@@ -21,7 +21,7 @@ from .dims import ModelDims, Parallel
 from .graph import BlockGraph, OpId, OpSpec, TensorSpec
 from .linear import LinearForm, Load
 from .mitigation import Footprint, MitigationOptions, footprint, recompute_regions
-from .pipeline import MicroBatchCost
+from .pipeline import MicroBatchCost, stage_layers
 
 FORMAT = "bagualu-costmodel/1"
 Routed = float | Sequence[float] | None
@@ -273,12 +273,7 @@ class CostModel:
         decoder layers, the embedding on the first stage, the LM head on the last. A later stage
         makes the RoPE tables and position ids of its layers itself (`BlockGraph.positions`)."""
         layers = self.layers
-        if pp < 1 or not 0 <= rank < pp:
-            raise ValueError(f"need 0 <= rank < pp, got rank={rank}, pp={pp}")
-        if len(layers) % pp:
-            raise ValueError(f"{len(layers)} decoder layers do not split evenly over pp={pp} stages")
-        n = len(layers) // pp
-        keep = set(layers[rank * n : (rank + 1) * n])
+        keep = {layers[i] for i in stage_layers(len(layers), pp, rank)}
         keep |= {i for i, b in self.blocks.items() if (b.kind == "embed" and rank == 0) or (b.kind == "head" and rank == pp - 1)}
         blocks = {i: b if i in keep else b.positions() for i, b in self.blocks.items() if i in keep or b.kind == "embed"}
         return CostModel(blocks, self.hardware, self.pairs_per_token, f"{self.name} stage {rank}/{pp}", self.source)

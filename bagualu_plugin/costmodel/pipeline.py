@@ -31,6 +31,17 @@ class Step:
     phase: Phase
 
 
+def stage_layers(num_layers: int, pp: int, rank: int) -> range:
+    """The decoder layers (positions among them) that rank `rank` of a `pp`-stage pipeline holds:
+    an equal share, in order."""
+    if pp < 1 or not 0 <= rank < pp:
+        raise ValueError(f"need 0 <= rank < pp, got rank={rank}, pp={pp}")
+    if num_layers % pp:
+        raise ValueError(f"{num_layers} decoder layers do not split evenly over pp={pp} stages")
+    per = num_layers // pp
+    return range(rank * per, (rank + 1) * per)
+
+
 def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Step]:
     """The order of forwards and backwards on `rank` of a `pp`-stage 1F1B pipeline."""
     if pp < 1 or not 0 <= rank < pp:

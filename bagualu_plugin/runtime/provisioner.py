@@ -126,8 +126,8 @@ def _check_recompute_owner(adapter: Adapter) -> None:
     accelerate's `fsdp_activation_checkpointing` and torch's `apply_activation_checkpointing`
     install) would recompute the same layers a second time, under their own rules."""
     model = adapter.model
-    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    if getattr(model, name, False):
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    if getattr(model, flag, False):
         raise ValueError(
             "the model has HF gradient checkpointing enabled (gradient_checkpointing_enable() or "
             "activation_checkpointing_enable()) and bgl.apply plans recompute per operator: disable it "

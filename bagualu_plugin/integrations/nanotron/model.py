@@ -25,6 +25,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ...adapters import Adapter
+from ...costmodel.pipeline import stage_layers
 from ...runtime.head import head_loss
 from .compat import import_pipeline
 
@@ -84,14 +85,6 @@ class _Head(nn.Module):
 
     def forward(self, hidden_states, labels):
         return {"loss": head_loss(self._model[0])(self.norm(hidden_states), labels)}
-
-
-def stage_layers(num_layers: int, pp: int, rank: int) -> range:
-    """The decoder layers of pipeline rank `rank`: an even, in-order split, as `CostModel.stage`'s."""
-    if num_layers % pp:
-        raise ValueError(f"the pipeline has {pp} ranks, which does not divide the model's {num_layers} decoder layers")
-    per = num_layers // pp
-    return range(rank * per, (rank + 1) * per)
 
 
 def stage_modules(model: nn.Module, pp: int, rank: int) -> list[nn.Module]:

@@ -53,6 +53,7 @@ from ...adapters import Adapter
 from ...adapters.costs import model_cost
 from ...adapters.gate import RoutingSkew
 from ...config import Recipe, RecipeError, Spikes
+from ...costmodel.pipeline import stage_layers
 from ...parallel.checkpoint import expert_shards, load_pretrained
 from ...runtime.ledger import Ledger
 from ...runtime.provisioner import apply
@@ -194,12 +195,13 @@ def _per_rank(recipe: Recipe, rank: int) -> Recipe:
     return recipe.model_copy(update={"telemetry": telemetry})
 
 
-def _install_spikes(spikes: Spikes, model: nn.Module, stages: PipelineModel, ep: int, iterations: int, micro_batches: int):
-    """Skew every forward's routing as the seeded schedule says (the same on every rank); a forward
-    pre-hook on the stages counts nanotron's forwards (one call per micro-batch on every rank)."""
+def _install_spikes(spikes: Spikes, model: nn.Module, stages: PipelineModel, layers: range, ep: int, iterations: int, micro_batches: int):
+    """Skew every forward's routing in this stage's `layers` as the seeded schedule says (the same
+    on every rank); a forward pre-hook on the stages counts nanotron's forwards (one call per
+    micro-batch on every rank)."""
     adapter = Adapter(model)
-    local = [layer.index for layer in adapter.layers if layer.moe and not layer.module.input_layernorm.weight.is_meta]
     moe = [layer.index for layer in adapter.layers if layer.moe]
+    local = [i for i in moe if i in layers]
     schedule = imbalance_schedule(spikes, iterations, micro_batches, moe)
     skews = {i: RoutingSkew(adapter, 0.0, ep, HOT_RANK, layers=[i]).install() for i in local}
     forwards = iter(range(iterations * micro_batches))
@@ -214,9 +216,8 @@ def _install_spikes(spikes: Spikes, model: nn.Module, stages: PipelineModel, ep:
 
 def train(config: Config, device: torch.device, timeout: timedelta) -> None:
     """Run `tokens.train_steps` iterations on this process's ranks, on `device` (the default group
-    is initialised)."""
+    is initialised, `config` passed `check_supported`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    check_supported(config, world)
     par, tokens = config.parallelism, config.tokens
     ep = getattr(par, "expert_parallel_size", 1)
     pc = parallel_context(par.tp, par.pp, par.dp, ep)
@@ -241,7 +242,7 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
         engine, ledger = par.pp_engine, Ledger.for_model(model)
     spikes = _spikes(config)
     if spikes is not None and spikes.enabled:
-        _install_spikes(spikes, model, stages, ep, tokens.train_steps, m)
+        _install_spikes(spikes, model, stages, stage_layers(len(Adapter(model).layers), par.pp, pp_rank), ep, tokens.train_steps, m)
 
     batches = micro_batches(config, config.model.init_method.path, model.config.vocab_size, ep_rank * par.dp + dp_rank, sync.replicas)
     metrics = config.bagualu.metrics_path if config.bagualu is not None else None
