@@ -87,6 +87,10 @@ def pack(texts: Sequence[str], tokenizer, seq_len: int, vocab_size: int) -> torc
 def batches(sequences: torch.Tensor, seed: int, mbs: int, m: int, replica: int, replicas: int) -> Iterator[list[torch.Tensor]]:
     """Forever, per step: this replica's `m` micro-batches of `mbs` sequences, reshuffled each epoch."""
     _check_replica(replica, replicas)
+    return _dealt(sequences, seed, mbs, m, replica, replicas)
+
+
+def _dealt(sequences: torch.Tensor, seed: int, mbs: int, m: int, replica: int, replicas: int) -> Iterator[list[torch.Tensor]]:
     g, share = torch.Generator().manual_seed(seed), m * mbs
     order = torch.empty(0, dtype=torch.int64)  # sequence indices not yet consumed, in order
     while True:
@@ -100,6 +104,10 @@ def batches(sequences: torch.Tensor, seed: int, mbs: int, m: int, replica: int, 
 def synthetic(seed: int, vocab_size: int, shape: tuple[int, int], m: int, replica: int, replicas: int) -> Iterator[list[torch.Tensor]]:
     """Forever, per step: this replica's `m` micro-batches of uniform ids, one generator for all."""
     _check_replica(replica, replicas)
+    return _drawn(seed, vocab_size, shape, m, replica, replicas)
+
+
+def _drawn(seed: int, vocab_size: int, shape: tuple[int, int], m: int, replica: int, replicas: int) -> Iterator[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     while True:
         drawn = [torch.randint(0, vocab_size, shape, generator=g) for _ in range(replicas * m)]
@@ -107,5 +115,6 @@ def synthetic(seed: int, vocab_size: int, shape: tuple[int, int], m: int, replic
 
 
 def _check_replica(replica: int, replicas: int) -> None:
+    """Here, where the stream is asked for: the generators above start only at their first batch."""
     if not 0 <= replica < replicas:
         raise ValueError(f"replica {replica} must be in [0, {replicas})")
