@@ -7,9 +7,10 @@ import dataclasses
 import importlib.util
 
 import pytest
-import yaml
 
 pytest.importorskip("nanotron")
+
+from nanotron_configs import config_dict, load  # noqa: E402
 
 from bagualu_plugin.config import RecipeError  # noqa: E402
 from bagualu_plugin.integrations.nanotron import compat  # noqa: E402
@@ -35,42 +36,21 @@ MODEL = {
 
 
 def nanotron_dict(pp=2, dp=1, ep=1, seq_len=64, micro_batch_size=1, accumulation=4, bagualu=None) -> dict:
-    """The smallest config nanotron 0.4 accepts: general, parallelism, model, tokenizer, tokens."""
-    data = {
-        "general": {"project": "test"},
-        "parallelism": {"dp": dp, "pp": pp, "tp": 1, "pp_engine": "1f1b", "expert_parallel_size": ep},
-        "model": {
-            "init_method": {"std": 0.02},
-            "model_config": {
-                "hidden_size": 128,
-                "num_hidden_layers": 4,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "vocab_size": 128,
-            },
-        },
-        "tokenizer": {},
-        "tokens": {
-            "sequence_length": seq_len,
-            "train_steps": 1,
-            "micro_batch_size": micro_batch_size,
-            "batch_accumulation_per_replica": accumulation,
+    """The smallest config nanotron 0.4 accepts, with the demo model's Llama-like dimensions."""
+    model = {
+        "init_method": {"std": 0.02},
+        "model_config": {
+            "hidden_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
         },
     }
-    if bagualu is not None:
-        data["bagualu"] = bagualu
-    return data
+    sections = {} if bagualu is None else {"bagualu": bagualu}
+    shape = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "accumulation": accumulation}
+    return config_dict(model, pp=pp, dp=dp, ep=ep, **shape, **sections)
 
 
 INLINE = {"enabled": True, "hardware": {"preset": "cpu", "capacity_bytes": "1GB"}, "model": MODEL, "budget": {"non_activation_bytes": 0}}
 DEMO = {"enabled": True, "recipe": "demo"}
 DEMO_SHAPE = {"pp": 4, "dp": 1, "ep": 4, "seq_len": 128, "accumulation": 4}
-
-
-def load(tmp_path, data: dict, config_class=Config):
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return nt_config.get_config_from_file(str(path), config_class=config_class)
 
 
 def test_without_section_is_stock_nanotron(tmp_path):

@@ -9,15 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import yaml
 
 pytest.importorskip("nanotron")
 datasets = pytest.importorskip("datasets")
 
+from nanotron_configs import config_dict, load  # noqa: E402
+
 from bagualu_plugin.adapters.tiny import tiny_tokenizer  # noqa: E402
 from bagualu_plugin.config import RecipeError  # noqa: E402
 from bagualu_plugin.integrations.nanotron import compat  # noqa: E402
-from bagualu_plugin.integrations.nanotron.config import Config  # noqa: E402
 from bagualu_plugin.integrations.nanotron.data import micro_batches  # noqa: E402
 
 nt_config = compat.import_nanotron()
@@ -29,31 +29,16 @@ TEXT = [
 VOCAB = 128
 
 
-def config_dict(data=None, seq_len=8, micro_batch_size=2, accumulation=3, tokenizer=None) -> dict:
-    out = {
-        "general": {"project": "test", "seed": 7},
-        "parallelism": {"dp": 1, "pp": 1, "tp": 1, "pp_engine": "1f1b"},
-        "model": {
-            "init_method": {"std": 0.02},
-            "model_config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": VOCAB},
-        },
-        "tokenizer": {"tokenizer_name_or_path": tokenizer} if tokenizer else {},
-        "tokens": {
-            "sequence_length": seq_len,
-            "train_steps": 2,
-            "micro_batch_size": micro_batch_size,
-            "batch_accumulation_per_replica": accumulation,
-        },
+def data_config(data=None, seq_len=8, micro_batch_size=2, accumulation=3, tokenizer=None) -> dict:
+    model = {
+        "init_method": {"std": 0.02},
+        "model_config": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": VOCAB},
     }
-    if data is not None:
-        out["data"] = data
+    sections = {} if data is None else {"data": data}
+    out = config_dict(model, seq_len=seq_len, micro_batch_size=micro_batch_size, accumulation=accumulation, train_steps=2, **sections)
+    if tokenizer:
+        out["tokenizer"] = {"tokenizer_name_or_path": tokenizer}
     return out
-
-
-def load(tmp_path, data: dict) -> Config:
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return nt_config.get_config_from_file(str(path), config_class=Config)
 
 
 def dataset_section(where, **fields) -> dict:
@@ -80,7 +65,7 @@ def take(stream, n):
 
 
 def test_synthetic_stream_is_the_launchers_and_replicas_slice_it(tmp_path):
-    config = load(tmp_path, config_dict())
+    config = load(tmp_path, data_config())
     g = torch.Generator().manual_seed(7)  # the launcher before this module: train.py's own draw
     old = [[torch.randint(0, VOCAB, (2, 8), generator=g) for _ in range(3)] for _ in range(4)]
     ours = take(micro_batches(config, "unused", VOCAB, 0, 1), 4)
@@ -98,7 +83,7 @@ def rows(it) -> list[tuple[int, ...]]:
 
 
 def test_text_file_is_tokenised_split_between_replicas_and_reshuffled(tmp_path, checkpoint, text_file):
-    config = load(tmp_path, config_dict(dataset_section(text_file)))
+    config = load(tmp_path, data_config(dataset_section(text_file)))
     tokenizer = tiny_tokenizer()
     ids = tokenizer("<eos>".join(t for t in TEXT if t))["input_ids"]  # documents joined by eos
     n = len(ids) // 8  # sequences of 8 tokens, the tail dropped
@@ -127,7 +112,7 @@ def test_save_to_disk_directory_and_dataset_dict(tmp_path, checkpoint):
     datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"text": docs})}).save_to_disk(str(dd))
     tokenizer = tiny_tokenizer()
     for data in (dataset_section(plain, text_column_name="body"), dataset_section(dd, hf_dataset_splits="validation")):
-        (it,) = take(micro_batches(load(tmp_path, config_dict(data)), checkpoint, VOCAB, 0, 1), 1)
+        (it,) = take(micro_batches(load(tmp_path, data_config(data)), checkpoint, VOCAB, 0, 1), 1)
         assert [mb.shape for mb in it] == [(2, 8)] * 3
         text = "".join(tokenizer.decode(row, skip_special_tokens=True) for mb in it for row in mb)
         assert set(text) <= set("".join(docs))
@@ -152,7 +137,7 @@ def test_bad_dataset_is_named(tmp_path, checkpoint, text_file, dataset, field, m
         where = str(tmp_path / "docs.csv")
     elif where == "DIR":
         where = str(tmp_path)
-    config = load(tmp_path, config_dict({"dataset": {**dataset, "hf_dataset_or_datasets": where}, "seed": 3}))
+    config = load(tmp_path, data_config({"dataset": {**dataset, "hf_dataset_or_datasets": where}, "seed": 3}))
     with pytest.raises(RecipeError) as exc:
         micro_batches(config, checkpoint, VOCAB, 0, 1)
     assert exc.value.problems[0][0] == field and message in str(exc.value)
@@ -162,14 +147,14 @@ def test_missing_split_tokenizer_and_vocab_overflow_are_named(tmp_path, checkpoi
     dd = tmp_path / "dict"
     datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"text": ["hello"]})}).save_to_disk(str(dd))
     with pytest.raises(RecipeError, match="split 'train' is not in") as exc:
-        micro_batches(load(tmp_path, config_dict(dataset_section(dd))), checkpoint, VOCAB, 0, 1)
+        micro_batches(load(tmp_path, data_config(dataset_section(dd))), checkpoint, VOCAB, 0, 1)
     assert exc.value.problems[0][0] == "data.dataset.hf_dataset_splits"
 
     with pytest.raises(RecipeError, match="cannot load a tokenizer") as exc:
-        micro_batches(load(tmp_path, config_dict(dataset_section(text_file))), tmp_path, VOCAB, 0, 1)
+        micro_batches(load(tmp_path, data_config(dataset_section(text_file))), tmp_path, VOCAB, 0, 1)
     assert exc.value.problems[0][0] == "tokenizer.tokenizer_name_or_path"
 
-    config = load(tmp_path, config_dict(dataset_section(text_file), tokenizer=str(checkpoint)))  # named, not the checkpoint's
+    config = load(tmp_path, data_config(dataset_section(text_file), tokenizer=str(checkpoint)))  # named, not the checkpoint's
     with pytest.raises(RecipeError, match="gives token id 9[0-9], but the model's vocab_size is 50") as exc:
         micro_batches(config, tmp_path, 50, 0, 1)
     assert exc.value.problems[0][0] == "tokenizer.tokenizer_name_or_path"
@@ -177,7 +162,7 @@ def test_missing_split_tokenizer_and_vocab_overflow_are_named(tmp_path, checkpoi
 
 def test_nanotron_main_data_stages_are_read_from_the_first_stage(tmp_path, checkpoint, text_file):
     """nanotron main's layout (`data_stages`), which PyPI 0.4's Config cannot load, as attributes."""
-    stock = load(tmp_path, config_dict())
+    stock = load(tmp_path, data_config())
     stage = SimpleNamespace(
         name="stable", start_training_step=1, data=SimpleNamespace(seed=None, dataset=SimpleNamespace(
             hf_dataset_or_datasets=str(tmp_path / "missing.txt"), hf_dataset_splits="train", text_column_name="text")))

@@ -20,6 +20,8 @@ import yaml
 
 pytest.importorskip("nanotron")
 
+from nanotron_configs import config_dict, load  # noqa: E402
+
 from bagualu_plugin.adapters import save_tiny, tiny_model  # noqa: E402
 from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
 from bagualu_plugin.config import RecipeError  # noqa: E402
@@ -38,22 +40,16 @@ _NANOTRON_MODEL_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_hea
 
 def _config(checkpoint: Path, bagualu: dict, pp: int = 2, ep: int = 1, dp: int = 1, tp: int = 1) -> dict:
     hf = tiny_model("qwen3_moe", **TINY).config
-    return {
-        "general": {"project": "test", "seed": 7},
-        "parallelism": {"dp": dp, "pp": pp, "tp": tp, "pp_engine": "1f1b", "expert_parallel_size": ep},
-        "model": {
-            "init_method": {"path": str(checkpoint)},
-            "model_config": {name: getattr(hf, name) for name in _NANOTRON_MODEL_FIELDS},
-        },
-        "tokenizer": {},
-        "tokens": {"sequence_length": SEQ, "train_steps": STEPS, "micro_batch_size": BATCH, "batch_accumulation_per_replica": M},
-        "optimizer": {
-            "zero_stage": 0, "weight_decay": 0.01, "clip_grad": None, "accumulate_grad_in_fp32": False, "adam_eps": 1e-8,
-            "adam_beta1": 0.9, "adam_beta2": 0.95, "torch_adam_is_fused": False,
-            "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_style": "linear"},
-        },
-        "bagualu": bagualu,
+    model = {"init_method": {"path": str(checkpoint)}, "model_config": {name: getattr(hf, name) for name in _NANOTRON_MODEL_FIELDS}}
+    optimizer = {
+        "zero_stage": 0, "weight_decay": 0.01, "clip_grad": None, "accumulate_grad_in_fp32": False, "adam_eps": 1e-8,
+        "adam_beta1": 0.9, "adam_beta2": 0.95, "torch_adam_is_fused": False,
+        "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_style": "linear"},
     }
+    return config_dict(
+        model, pp=pp, dp=dp, ep=ep, tp=tp, seq_len=SEQ, micro_batch_size=BATCH, accumulation=M, train_steps=STEPS,
+        optimizer=optimizer, bagualu=bagualu,
+    )
 
 
 def _bagualu(pp: int, enabled: bool = True, capacity: float = 1.6, **sections) -> dict:
@@ -196,9 +192,7 @@ def test_unsupported_configs_are_refused_by_name(tmp_path, change, world, field)
     data = _config(tmp_path, change.pop("bagualu", {"enabled": False}), **{k: v for k, v in change.items() if k != "zero_stage"})
     if "zero_stage" in change:
         data["optimizer"]["zero_stage"] = change["zero_stage"]
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(data))
-    config = import_nanotron().get_config_from_file(str(path), config_class=Config)
+    config = load(tmp_path, data)
     with pytest.raises(RecipeError, match=field):
         check_supported(config, world)
 
