@@ -4,6 +4,8 @@ never counts the sharded or the gathered parameters (FSDP2 gathers a module's wh
 its forward pre-hook, and its ops save views of them), so each micro-batch keeps exactly what the
 same micro-batch keeps unsharded, whole or planned, and the loss is the same bit for bit."""
 
+import gc
+
 import pytest
 import torch
 
@@ -51,6 +53,14 @@ def _micro_batch(rank: int, size: int, capacity: float) -> dict:
         event = prov.events[-1]
         out[sharded] = (event.actual, event.plan, loss.detach())
         prov.remove()
+        if sharded:  # the Ledger's hooks go with it: the next forward finds it gone and removes them
+            layer = model.model.layers[0]
+            hooks = (len(layer._forward_pre_hooks), len(layer._forward_hooks))
+            del prov, event
+            gc.collect()
+            with torch.no_grad():
+                model(input_ids=ids)
+            out["hooks removed"] = (hooks[0] - len(layer._forward_pre_hooks), hooks[1] - len(layer._forward_hooks))
     return out
 
 
@@ -60,3 +70,4 @@ def test_the_ledger_counts_activations_only_under_fsdp2(capacity):
         (plain, plan, loss), (sharded, sharded_plan, sharded_loss) = rank[False], rank[True]
         assert sharded == plain and sharded_plan == plan and torch.equal(sharded_loss, loss)
         assert bool(plan) == (capacity < 1)
+        assert rank["hooks removed"] == (1, 1)  # the Ledger's two, FSDP2's own kept

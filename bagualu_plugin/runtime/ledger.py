@@ -93,6 +93,28 @@ def model_device(tensors: Iterable[torch.Tensor]) -> torch.device:
     return torch.device("cpu")
 
 
+def _watch(ledger: Ledger, module: nn.Module) -> None:
+    """`ledger._gathered[module]`: the storages of `module`'s parameters from its forward pre-hook
+    to the end of its forward. The hooks hold the ledger weakly and remove themselves once it is
+    gone, so a model outlives the ledgers made for it without keeping them or their hooks."""
+    ref, handles = weakref.ref(ledger), []
+
+    def hook(gathered: bool):
+        def run(m: nn.Module, *_) -> None:
+            owner = ref()
+            if owner is None:
+                for handle in handles:
+                    handle.remove()
+            elif gathered:
+                owner._gathered[m] = frozenset(found[0] for p in m.parameters() if (found := _storage(p)) is not None)
+            else:
+                owner._gathered.pop(m, None)
+
+        return run
+
+    handles += [module.register_forward_pre_hook(hook(True)), module.register_forward_hook(hook(False))]
+
+
 def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int] | None:
     """(key, nbytes) of the storage behind ``tensor``; None when it holds no real memory.
 
@@ -192,14 +214,7 @@ class Ledger:
         for module in self._model.modules():
             if isinstance(module, FSDPModule) and module not in self._watched:
                 self._watched.add(module)
-                module.register_forward_pre_hook(self._gather)
-                module.register_forward_hook(self._reshard)
-
-    def _gather(self, module: nn.Module, *_) -> None:
-        self._gathered[module] = frozenset(found[0] for p in module.parameters() if (found := _storage(p)) is not None)
-
-    def _reshard(self, module: nn.Module, *_) -> None:
-        self._gathered.pop(module, None)
+                _watch(self, module)
 
     # ------------------------------------------------------------------ recording
 
