@@ -23,10 +23,11 @@ import contextlib
 import json
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, InitProcessGroupKwargs
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
@@ -50,9 +51,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-adaptive", action="store_true", help="the same run without the plugin")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--timeout-s", type=float, default=600.0, help="process group timeout: a stuck collective fails after this many seconds"
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.timeout_s <= 0:
+        parser.error(f"--timeout-s must be > 0, got {args.timeout_s}")
     if not (Path(args.model) / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there; expected a directory written by save_pretrained")
     return args
@@ -65,7 +71,11 @@ def main(argv: list[str] | None = None) -> None:
     except RecipeError as exc:
         sys.exit(f"--recipe: {exc}")
     m, mbs, seq = recipe.pipeline.micro_batches, recipe.batch.micro_batch_size, recipe.batch.seq_len
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=m)
+    accelerator = Accelerator(
+        cpu=not torch.cuda.is_available(),
+        gradient_accumulation_steps=m,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout_s))],
+    )
     rank, n, main_process = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,8 @@ def workdir(tmp_path_factory) -> Path:
 
 def _run(workdir: Path, name: str, recipe: dict, steps: int, processes: int, *flags: str) -> list[dict]:
     (workdir / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
-    args = ["--model", "ckpt", "--recipe", f"{name}.yaml", "--steps", str(steps), "--output-dir", name, "--data", "corpus.txt", *flags]
+    args = ["--model", "ckpt", "--recipe", f"{name}.yaml", "--steps", str(steps), "--output-dir", name, "--data", "corpus.txt",
+            "--timeout-s", "120", *flags]
     if processes == 1:
         cmd = [sys.executable, str(EXAMPLE), *args]
     else:
@@ -234,3 +235,33 @@ def test_a_quantized_checkpoint_is_refused_with_the_way_to_load_it():
         bgl.apply(model, Recipe.from_dict(_recipe()))
     model.config.quantization_config["dequantize"] = True
     bgl.apply(model, Recipe.from_dict(_recipe())).remove()
+
+
+def test_generation_after_training_runs_as_without_the_plugin():
+    """Outside a training micro-batch the model is its own: `generate` gets its KV cache (a
+    recompute plan once refused it), transformers' experts kernel choice for decoding (it switches
+    from "grouped_mm" only when it finds that name) and the same tokens."""
+    torch.manual_seed(0)
+    model, ids = tiny_model("qwen3_moe", **TINY), torch.randint(0, 128, (MBS, SEQ))
+    seen = []
+    model.model.layers[1].mlp.experts.register_forward_pre_hook(lambda *_: seen.append(model.config._experts_implementation))
+
+    def generate():
+        seen.clear()
+        with torch.no_grad():
+            out = model.eval().generate(ids[:1, :8], max_new_tokens=8, do_sample=False)
+        model.train()
+        return out, set(seen)
+
+    own, impl = model.get_experts_implementation(), model.config._experts_implementation
+    expected, expected_seen = generate()
+    prov = bgl.apply(model, Recipe.from_dict(_recipe(capacity=0.5)))
+    seen.clear()
+    with prov.micro_batch(ids):
+        assert model.get_experts_implementation() == {k: "bagualu" for k in own}
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert "recompute" in prov.events[-1].plan.values() and set(seen) == {"bagualu"}
+    assert model.get_experts_implementation() == own and model.config.use_cache
+    got, got_seen = generate()
+    assert torch.equal(got, expected) and got_seen == expected_seen == {impl}
+    prov.remove()

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import bagualu_plugin as bgl
-from bagualu_plugin.adapters import tiny_model
+from bagualu_plugin.adapters import Adapter, tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.config import Recipe
 from bagualu_plugin.costmodel import ModelDims
 from bagualu_plugin.parallel.launch import run_ranks
+from bagualu_plugin.runtime.plan_runtime import apply_plan
 
 SEQ, MBS = 32, 2
 
@@ -71,3 +72,52 @@ def test_the_ledger_counts_activations_only_under_fsdp2(capacity):
         assert sharded == plain and sharded_plan == plan and torch.equal(sharded_loss, loss)
         assert bool(plan) == (capacity < 1)
         assert rank["hooks removed"] == (1, 1)  # the Ledger's two, FSDP2's own kept
+
+
+def _all_gathers(rank: int, size: int, units: str) -> dict:
+    """FSDP2's all-gathers in one micro-batch's forward and backward, per plan (torch 2.13 issues
+    them through torch.distributed.all_gather_single)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ids = torch.randint(0, 128, (MBS, SEQ), generator=torch.Generator().manual_seed(rank))
+    model = tiny_model("qwen3_moe", num_hidden_layers=3)
+    model.set_experts_implementation("bagualu")
+    mesh = init_device_mesh("cpu", (size,))
+    for layer in model.model.layers:
+        if units == "attention and MoE block":
+            fully_shard(layer.self_attn, mesh=mesh)
+            fully_shard(layer.mlp, mesh=mesh)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    layer_ops = Adapter(model).ops()
+    plans = {
+        "none": {},
+        "per op": {op: "recompute" for op in layer_ops if op.name in ("attn_core", "expert_act")},
+        "whole layers": {op: "recompute" for op in layer_ops if op.layer >= 1},
+    }
+    original, counts = torch.distributed.all_gather_single, {}
+
+    def counted(*args, **kwargs):
+        counts[name] += 1
+        return original(*args, **kwargs)
+
+    torch.distributed.all_gather_single = counted
+    try:
+        for name, plan in plans.items():
+            counts[name] = 0
+            with apply_plan(model, plan):
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+    finally:
+        torch.distributed.all_gather_single = original
+    return counts
+
+
+@pytest.mark.parametrize("units", ["decoder layers", "attention and MoE block"])
+def test_recompute_adds_no_all_gather_under_fsdp2(units):
+    """Why the cost model prices recompute under FSDP with no communication: a region replays
+    modules whose FSDP unit backward gathers anyway, at most earlier (a whole layer's replay
+    gathers its inner units, whose backward then finds them gathered)."""
+    for counts in run_ranks(_all_gathers, 2, units, timeout_s=120):
+        assert counts["none"] > 0 and counts["per op"] == counts["whole layers"] == counts["none"], counts

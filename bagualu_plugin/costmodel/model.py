@@ -302,7 +302,10 @@ class CostModel:
     def fsdp_static_bytes(self, weight_bytes: float, grad_bytes: float, optimizer_bytes: float, shards: int, gathered: int = 2) -> int:
         """Non-activation memory under FSDP full shard: every local parameter's weights, gradients
         and optimizer state divided over `shards`, plus the largest decoder layer's weights whole,
-        `gathered` times (the one running and the one prefetched)."""
+        `gathered` times (the one running and the one prefetched). Recompute adds no all-gather
+        under FSDP2 (measured in tests/test_fsdp.py, units of decoder layers or finer): a region
+        replays modules whose unit backward gathers anyway, at most earlier, so the mitigation
+        rooflines price it with none, and its gathered weights are the layer counted here."""
         dense, expert = self.parameter_counts()
         layer = max((self.blocks[i].dense_params + self.blocks[i].expert_params for i in self.layers), default=0)
         return round((dense + expert) * (weight_bytes + grad_bytes + optimizer_bytes) / shards + gathered * layer * weight_bytes)

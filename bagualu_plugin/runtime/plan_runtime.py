@@ -66,6 +66,7 @@ class PlanRuntime:
         self._regions: dict[tuple[int, tuple[str, ...]], frozenset[str]] = {}
         self._ops = frozenset(self.adapter.ops())  # set_plan runs per micro-batch: list them once
         self._stack: ExitStack | None = None
+        self._forwarding = False  # inside forward(): only there does the plan apply
 
     @property
     def plan(self) -> Plan:
@@ -104,13 +105,6 @@ class PlanRuntime:
             self.options.loss_chunk_tokens,
             stack,
         )
-        stack.enter_context(bagualu_experts(a.config))
-        if a.config.use_cache:  # a KV cache would be updated again by recomputation
-            a.config.use_cache = False
-            stack.callback(setattr, a.config, "use_cache", True)
-        self.tracker.install()
-        stack.callback(self.tracker.remove)
-        stack.callback(a.model.register_forward_pre_hook(self.hooks.new_forward).remove)
         for layer in [-1, *(part.index for part in a.layers), a.head_index]:
             for unit in dict.fromkeys((*block_units(a, layer), *block_spans(a, layer))):
                 module = unit_module(a, layer, unit)
@@ -120,7 +114,6 @@ class PlanRuntime:
             if part.experts is not None:
                 setattr(part.experts, RUNNER_ATTR, self._runner(part.index))
                 stack.callback(delattr, part.experts, RUNNER_ATTR)
-            stack.callback(part.module.register_forward_pre_hook(self.hooks.layer_inputs, with_kwargs=True).remove)
         self._stack = stack
         return self
 
@@ -137,7 +130,7 @@ class PlanRuntime:
     def _run(self, module: nn.Module, layer: int, unit: tuple[str, ...], forward, args: tuple, kwargs: dict):
         """`forward(*args, **kwargs)`, as a recompute region if the plan makes `unit` one now."""
         region = self._regions.get((layer, unit))
-        if region is None or is_inside_backward():
+        if region is None or not self._forwarding or not torch.is_grad_enabled() or is_inside_backward():
             return forward(*args, **kwargs)
 
         def dropped() -> bool:
@@ -169,11 +162,35 @@ class PlanRuntime:
 
     @contextmanager
     def forward(self) -> Iterator[Ledger]:
-        """The saved-tensor hooks for the forward passes inside the block."""
+        """The plan for the training forward passes inside the block: the "bagualu" experts, no KV
+        cache (recomputation would update it again) and the saved-tensor hooks. Outside it the
+        model runs as it would without the plugin (evaluation, `generate` with its KV cache and
+        transformers' own choice of experts kernel for decoding)."""
+        if self._forwarding:
+            raise ValueError("PlanRuntime.forward(): a forward is running already (the block does not nest)")
         self.ledger.refresh()  # the model may have moved since (`.cuda()` after the runtime was built)
         self.hooks.new_forward()  # also where no model forward runs (a pipeline stage runs its modules)
-        with torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack):
+        a = self.adapter
+        with ExitStack() as stack:  # the op scopes and hooks live only here: outside, modules run hook-free
+            stack.enter_context(self._flag())
+            stack.enter_context(bagualu_experts(a.config))
+            self.tracker.install()
+            stack.callback(self.tracker.remove)
+            stack.callback(a.model.register_forward_pre_hook(self.hooks.new_forward).remove)
+            for part in a.layers:
+                stack.callback(part.module.register_forward_pre_hook(self.hooks.layer_inputs, with_kwargs=True).remove)
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack))
             yield self.ledger
+
+    @contextmanager
+    def _flag(self) -> Iterator[None]:
+        """Inside: a training forward with no KV cache (recomputation would update it again)."""
+        config, cache = self.adapter.config, self.adapter.config.use_cache
+        config.use_cache, self._forwarding = False, True
+        try:
+            yield
+        finally:
+            config.use_cache, self._forwarding = cache, False
 
     def remove(self) -> None:
         if self._stack is not None:

@@ -18,7 +18,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -107,7 +107,7 @@ class _Forward:
     costs: dict[int, _LayerCost]
     slack: float  # bytes it may still add under its budget
     headroom: float  # bytes later warmup micro-batches can still give up
-    hooks: AbstractContextManager  # the plan's saved-tensor hooks, entered
+    hooks: ExitStack  # the plan's hooks and the gate monitor, entered
 
 
 def _check_expert_group(adapter: Adapter, recipe: Recipe) -> None:
@@ -173,7 +173,7 @@ class Provisioner:
             capacity_bytes=stage.capacity if recipe.hardware.simulated else None,
             static_bytes=stage.static_bytes,
         ).install()
-        self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate).install()
+        self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate)  # installed while a forward runs
         self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
         # the latest micro-batches' events (a long run would otherwise grow without bound) and
         # running totals over all of them
@@ -228,8 +228,9 @@ class Provisioner:
         plan = {str(op): s for op, s in sorted(decision.plan.items())}
         event = Event(mb, scheduled, budget, decision.activation_bytes, plan, [], [], tokens, seq_len, decision.reload_bytes)
         self.ledger.micro_batch = mb
-        hooks = self.runtime.forward()
-        hooks.__enter__()
+        hooks = ExitStack()
+        hooks.enter_context(self.runtime.forward())
+        hooks.enter_context(self.gate)
         self._forward = _Forward(
             event, planned, self._layer_costs[key], budget - decision.activation_bytes - decision.reload_bytes,
             self.budgets.headroom(mb), hooks
@@ -282,7 +283,7 @@ class Provisioner:
         f = self._forward
         if f is None or f.event.micro_batch != mb:
             raise ValueError(f"end_forward({mb}): no forward of micro-batch {mb} is running")
-        f.hooks.__exit__(None, None, None)
+        f.hooks.close()
         self._forward = None
         actual = self.ledger.by_micro_batch().get(mb, 0)
         self.budgets = self.budgets.after_forward(mb, actual + round(f.event.reload_bytes))
@@ -347,7 +348,7 @@ class Provisioner:
         """A micro_batch block failed: the optimizer step's accounting is dropped (its forward's
         hooks closed, nothing awaits a backward), and the next micro-batch starts a new step."""
         if self._forward is not None:
-            self._forward.hooks.__exit__(None, None, None)
+            self._forward.hooks.close()
             self._forward = None
         self._awaiting_backward.clear()
         self._accumulated = 0
