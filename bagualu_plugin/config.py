@@ -27,6 +27,7 @@ from pydantic import (
 
 from .costmodel.dims import ModelDims, Parallel
 from .hardware import HardwareSpec, preset
+from .planner.dual_batch import check_pipeline
 from .units import Bytes, fmt_bytes
 from .validation import FIELD_PROBLEMS, reject
 
@@ -47,11 +48,21 @@ class Pipeline(_Section):
     rank: int = Field(default=0, ge=0)
     micro_batches: int = Field(ge=1, description="micro-batches per iteration")
     schedule: Literal["1f1b"] = "1f1b"
+    dual_batch: bool = Field(
+        default=False,
+        description="fused dual-batch execution in the steady phase (§V-B): each forward runs interleaved with the "
+        "backward after it and the next micro-batch's recovery; needs pp > 2",
+    )
 
     @model_validator(mode="after")
     def _rank_in_pipeline(self) -> Pipeline:
         if self.rank >= self.pp:
             reject([("rank", f"rank ({self.rank}) must be < pp ({self.pp})")])
+        if self.dual_batch:
+            try:
+                check_pipeline(self.pp)
+            except ValueError as error:
+                reject([("dual_batch", str(error))])
         return self
 
 

@@ -45,7 +45,7 @@ def main() -> None:
         cache = ScheduleCache(lambda key, blocks=blocks: blocks)
         start = time.perf_counter()
         for _ in range(100 * steady):  # one miss, then hits: budgets repeat with the phase (§V-B)
-            cache.get(round(budget), 0, "steady")
+            cache.get((round(budget), 0, "steady"))
         amortised = (time.perf_counter() - start) / (100 * steady)
         serial = schedule.serial_time(stages)
         edges = recipe.pipeline.pp * (window_time([stages[0]]) + window_time([stages[1]]))  # warmup F, cooldown B

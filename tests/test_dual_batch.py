@@ -66,7 +66,7 @@ def test_the_cache_solves_each_key_once():
     for _ in range(5):
         for phase in ("steady",):
             for bucket in (3, 4):
-                cache.get(bucket, 1, phase)
+                cache.get((bucket, 1, phase))
     assert len(built) == 2 and (cache.hits, cache.misses) == (8, 2) and cache.hit_rate == 0.8
 
 

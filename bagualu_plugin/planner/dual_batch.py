@@ -148,16 +148,15 @@ def brute_force(stages: Stages) -> float:
 
 
 class ScheduleCache:
-    """Schedules keyed by the scheduling point's discretised budget and routing bucket (§V-B
-    "runtime solving"); `stages(key)` builds the point's stages of a key, block by block
-    (`point_stages`), on a miss."""
+    """Schedules keyed by what determines a scheduling point's stages (§V-B "runtime solving"):
+    the discretised budgets and routing buckets, which fix the micro-batches' plans;
+    `stages(key)` builds the point's stages of a key, block by block, on a miss."""
 
     def __init__(self, stages: Callable[[Hashable], Sequence[Stages]]):
         self._stages, self._schedules = stages, {}
         self.hits = self.misses = 0
 
-    def get(self, budget_bucket: int, routing_bucket: int, phase: Hashable = None) -> Schedule:
-        key = (budget_bucket, routing_bucket, phase)
+    def get(self, key: Hashable) -> Schedule:
         schedule = self._schedules.get(key)
         if schedule is None:
             self.misses += 1
@@ -237,6 +236,22 @@ def solve_blocks(blocks: Sequence[Stages]) -> Schedule:
         windows += [tuple((a + o, b + o) for (a, b), o in zip(w, offsets)) for w in part.windows]
         offsets = [o + len(run) for o, run in zip(offsets, stages)]
     return Schedule(total, tuple(windows))
+
+
+def piece_stages(blocks: Sequence[Stages]) -> list[list[list[StageTime]]]:
+    """`point_stages`' blocks at the granularity an executor runs them: per block, F and B one
+    stage each (a block's forward or backward is one autograd piece; its all-to-alls run inside
+    it, their time on the copy stream), O one stage (x-1's copies), R two, its reloads then its
+    recompute (an executor issues them apart, so the copies can run under other work)."""
+
+    def merged(run: Sequence[StageTime]) -> StageTime:
+        return StageTime(sum(s.compute_s for s in run), sum(s.copy_s for s in run))
+
+    out = []
+    for f, b, o, r in blocks:
+        recovery = merged(r)
+        out.append([[merged(f)], [merged(b)], [merged(o)], [StageTime(copy_s=recovery.copy_s), StageTime(compute_s=recovery.compute_s)]])
+    return out
 
 
 def joined(blocks: Sequence[Stages]) -> list[list[StageTime]]:

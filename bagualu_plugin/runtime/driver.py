@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..costmodel.pipeline import Step
+from .dual_batch import DualBatchExecutor, StagePieces
 from .provisioner import Provisioner
 
 
@@ -27,12 +28,20 @@ def run_iteration(
     provisioner: Provisioner | None = None,
     *,
     around: Callable[[Step], AbstractContextManager] | None = None,
+    dual_batch: bool | None = None,
 ) -> list[torch.Tensor]:
     """Run `schedule` (e.g. `Stage.schedule`) on `model`: a forward of micro-batch i computes the
     language-model loss of `batches[i]` (input ids, also the labels), its backward accumulates
     gradients; no optimizer step. `around(step)` is entered around each step (begin_forward and
     end_forward included). Returns every micro-batch's loss (detached), in micro-batch order.
-    On an exception every graph still awaiting its backward is dropped with this call."""
+    On an exception every graph still awaiting its backward is dropped with this call.
+    `dual_batch` (default: the provisioner's recipe `pipeline.dual_batch`): each steady forward
+    and the backward after it run fused (`runtime.dual_batch`, paper §V-B), with the same results
+    bit for bit."""
+    if dual_batch is None:
+        dual_batch = provisioner is not None and provisioner.recipe.pipeline.dual_batch
+    if dual_batch:
+        return _fused(model, batches, schedule, provisioner, around)
     awaiting: dict[int, torch.Tensor] = {}  # losses whose backward has not run yet
     losses: dict[int, torch.Tensor] = {}
     for step in schedule:
@@ -55,4 +64,39 @@ def run_iteration(
                     provisioner.end_backward(mb)
     if awaiting or len(losses) != len(batches):
         raise ValueError(f"the schedule left micro-batches {sorted(awaiting)} without a backward or ran {len(losses)} of {len(batches)}")
+    return [losses[i] for i in range(len(batches))]
+
+
+def _fused(model, batches, schedule, provisioner, around) -> list[torch.Tensor]:
+    """`run_iteration` through the dual-batch executor: warmup forwards and cooldown backwards
+    alone, each steady F_x B_y pair as one point."""
+    steps = {(s.kind, s.micro_batch): s for s in schedule}
+    executor = DualBatchExecutor(
+        StagePieces(model), provisioner, around=(lambda kind, mb: around(steps[kind, mb])) if around else None
+    )
+    losses: dict[int, torch.Tensor] = {}
+    in_flight: list[int] = []
+    i = 0
+    while i < len(schedule):
+        step = schedule[i]
+        ids = batches[step.micro_batch]
+        engine = {"phase": step.phase, "in_flight": len(in_flight)} if provisioner else {}
+        following = schedule[i + 1] if i + 1 < len(schedule) else step
+        fuse = step.kind == "F" and following.kind == "B" and following.micro_batch != step.micro_batch
+        if fuse:
+            y = schedule[i + 1].micro_batch
+            losses[step.micro_batch], _ = executor.point(step.micro_batch, ids, ids, y, **engine)
+            in_flight.remove(y)
+            in_flight.append(step.micro_batch)
+            i += 2
+            continue
+        if step.kind == "F":
+            losses[step.micro_batch] = executor.forward(step.micro_batch, ids, ids, **engine)
+            in_flight.append(step.micro_batch)
+        else:
+            executor.backward(step.micro_batch)
+            in_flight.remove(step.micro_batch)
+        i += 1
+    if in_flight or len(losses) != len(batches):
+        raise ValueError(f"the schedule left micro-batches {sorted(in_flight)} without a backward or ran {len(losses)} of {len(batches)}")
     return [losses[i] for i in range(len(batches))]

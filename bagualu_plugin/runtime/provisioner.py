@@ -81,6 +81,7 @@ class Event:
     actual: int | None = None  # set by end_forward
     peak_device_bytes: int | None = None  # static bytes plus the ledger's peak, at end_forward
     live_after_backward: int | None = None  # set by end_backward
+    point: dict | None = None  # the fused scheduling point it began (runtime.dual_batch), if any
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -180,6 +181,7 @@ class Provisioner:
         self.events: deque[Event] = deque(maxlen=EVENTS_KEPT)
         self.forwards, self.planner_s = 0, 0.0
         self._awaiting_backward: dict[int, Event] = {}
+        self._plans: dict[int, Plan] = {}  # the plan each awaiting micro-batch ran, escalations included
         self._forward: _Forward | None = None
         self._layer_costs: dict[tuple, dict[int, _LayerCost]] = {}
         self._accumulated = 0  # micro_batch(): micro-batches of the current optimizer step so far
@@ -293,7 +295,25 @@ class Provisioner:
         self.forwards += 1
         self.planner_s += f.event.planner_s
         self._awaiting_backward[mb] = f.event
+        self._plans[mb] = self.runtime.plan
         return actual
+
+    def event_of(self, mb: int) -> Event:
+        """The event of micro-batch `mb`, whose forward runs or awaits its backward."""
+        if self._forward is not None and self._forward.event.micro_batch == mb:
+            return self._forward.event
+        if mb not in self._awaiting_backward:
+            raise ValueError(f"micro-batch {mb} has no forward running or awaiting its backward")
+        return self._awaiting_backward[mb]
+
+    def plan_of(self, mb: int) -> Plan:
+        """The plan micro-batch `mb` runs (its forward is running) or ran (it awaits its backward)."""
+        self.event_of(mb)
+        return self._plans.get(mb, self.runtime.plan)
+
+    def record_point(self, mb: int, point: dict) -> None:
+        """The fused scheduling point that began with micro-batch `mb`'s forward, for its event."""
+        self.event_of(mb).point = point
 
     def end_backward(self, mb: int) -> int:
         """Micro-batch `mb`'s activations are released; returns what the stage still keeps (the
@@ -301,6 +321,7 @@ class Provisioner:
         complete and written to the telemetry file."""
         live = self.ledger.live_device_bytes
         event = self._awaiting_backward.pop(mb, None)
+        self._plans.pop(mb, None)
         if event is None:
             raise ValueError(f"end_backward({mb}): micro-batch {mb} has no finished forward awaiting its backward")
         event.live_after_backward = live
@@ -351,6 +372,7 @@ class Provisioner:
             self._forward.hooks.close()
             self._forward = None
         self._awaiting_backward.clear()
+        self._plans.clear()
         self._accumulated = 0
 
     def remove(self) -> None:

@@ -20,13 +20,11 @@ nanotron's batch contract: `input_ids` on the first rank and `labels` on the las
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from ...adapters import Adapter
 from ...costmodel.pipeline import stage_layers
-from ...runtime.head import head_loss
+from ...runtime import pieces
 from .compat import import_pipeline
 
 import_pipeline()
@@ -45,46 +43,31 @@ class _Embed(nn.Module):
 
 
 class _Decoder(nn.Module):
-    """A pipeline rank's decoder layers. Positions, RoPE tables and attention masks are made once
-    per micro-batch and shared by the layers, as HF's decoder makes them for full sequences
-    without padding (and as the cost model counts them): a causal mask, or a sliding-window one
-    for the layers whose `config.layer_types` say so (gpt-oss, Qwen2-MoE) or for every layer of a
-    config with a `sliding_window` and no layer types (Mixtral, Qwen3-MoE)."""
+    """A pipeline rank's decoder layers, sharing one micro-batch's positions, RoPE tables and
+    masks (`runtime.pieces`)."""
 
     def __init__(self, adapter: Adapter, layers: range):
         super().__init__()
         self.layers = nn.ModuleList(adapter.layers[i].module for i in layers)
-        self.rotary_emb, self.config = adapter.decoder.rotary_emb, adapter.config
-        types = getattr(self.config, "layer_types", None)
-        self.kinds = [types[i] if types else "default" for i in layers]
+        self.rotary_emb = adapter.decoder.rotary_emb
+        self._adapter, self._indices = [adapter], layers  # in a list: not a submodule of the block
 
     def forward(self, hidden_states):
-        position_ids = torch.arange(hidden_states.size(1), device=hidden_states.device).unsqueeze(0)
-        position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        masks = self._masks(hidden_states, position_ids)
-        for layer, kind in zip(self.layers, self.kinds):
-            out = layer(hidden_states, attention_mask=masks[kind], position_ids=position_ids, position_embeddings=position_embeddings)
-            hidden_states = out[0] if isinstance(out, tuple) else out
+        adapter = self._adapter[0]
+        inputs = pieces.layer_inputs(adapter, hidden_states, self._indices)
+        for i in self._indices:
+            hidden_states = pieces.decoder_layer(adapter, i, hidden_states, inputs)
         return {"hidden_states": hidden_states}
-
-    def _masks(self, embeds: torch.Tensor, position_ids: torch.Tensor) -> dict:
-        kwargs = {"config": self.config, "inputs_embeds": embeds, "attention_mask": None, "cache": None, "position_ids": position_ids}
-        sliding = getattr(self.config, "sliding_window", None) is not None
-        made = {}
-        for kind in set(self.kinds):
-            window = kind == "sliding_attention" or (kind == "default" and sliding)
-            made[kind] = (create_sliding_window_causal_mask if window else create_causal_mask)(**kwargs)
-        return made
 
 
 class _Head(nn.Module):
     def __init__(self, adapter: Adapter):
         super().__init__()
         self.norm, self.lm_head = adapter.decoder.norm, adapter.model.lm_head
-        self._model = [adapter.model]  # in a list: not a submodule of the block
+        self._adapter = [adapter]  # in a list: not a submodule of the block
 
     def forward(self, hidden_states, labels):
-        return {"loss": head_loss(self._model[0])(self.norm(hidden_states), labels)}
+        return {"loss": pieces.head(self._adapter[0], hidden_states, labels)}
 
 
 def stage_modules(model: nn.Module, pp: int, rank: int) -> list[nn.Module]:

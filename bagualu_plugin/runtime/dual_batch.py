@@ -1,0 +1,260 @@
+"""The fused dual-batch executor (paper §V-B): at a steady 1F1B scheduling point F_x B_y of a
+pipeline rank, the forward of x, the backward of y and the recovery (reloads, recompute) of y+1
+run interleaved, piece by piece, in the order `planner.dual_batch` solves for the point.
+
+A stage runs as pieces (`runtime.pieces`: the embedding, each decoder layer, the head), each an
+autograd piece of its own: a piece's input is its predecessor's output detached, so the backward
+of y can run piece by piece between the forward pieces of x (as Megatron-Core's ScheduleNode cuts
+its combined 1F1B). Everything a micro-batch needs between pieces, its pieces' inputs and outputs
+and its layers' shared inputs, lives in its `_Flight`, held here, never on a module: two
+micro-batches are in flight at once.
+
+The four classes map to the runtime's mechanisms:
+- F: x's forward pieces, under x's plan (the Provisioner's begin_forward / end_forward around all
+  of them);
+- B: y's backward pieces, in reverse;
+- O: x-1's offload copies. The plan's hooks issue each copy when its tensor is saved, on the copy
+  stream on CUDA: the earliest point, so O is already in flight at every point and the executor
+  issues nothing for it (the DP still counts its copy time on the copy stream);
+- R: y+1's recovery of a block, its reloads (`PlanRuntime.reload`: the copies start, on the copy
+  stream on CUDA) and then its recompute (`PlanRuntime.recompute`: the block's regions replay now,
+  ahead of y+1's backward, which takes their tensors). No collective runs in a recompute (under
+  expert parallelism no region holds dispatch or combine), so R needs no peer.
+
+R runs when y+1 is neither x nor x-1 (x - y > 2, §V-B); otherwise y+1 recovers lazily in its own
+backward, as without fusion. On CPU the classes run one after another in the solved order; the
+results are bitwise those of the unfused schedule (tests/test_dual_batch_executor.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..adapters import Adapter
+from ..costmodel.pipeline import stage_layers
+from ..planner.dual_batch import CLASSES, Schedule, ScheduleCache, joined, piece_stages, point_stages, window_time
+from . import pieces
+from .provisioner import Provisioner
+
+Around = Callable[[str, int], AbstractContextManager]  # (class "F" or "B", micro-batch) -> context
+
+
+class StagePieces:
+    """The pieces a pipeline rank runs of `model` (a supported HF causal LM): the embedding on the
+    first rank, its decoder layers, the head (norm, LM head, loss) on the last. `blocks[k]` is
+    piece k's block in the cost model (-1, a layer, `head_index`)."""
+
+    def __init__(self, model: nn.Module, pp: int = 1, rank: int = 0):
+        self.adapter = a = Adapter(model)
+        self.layers = stage_layers(len(a.layers), pp, rank)
+        self.first, self.last = rank == 0, rank == pp - 1
+        self.blocks = [-1] * self.first + list(self.layers) + [a.head_index] * self.last
+
+    def run(self, k: int, value: torch.Tensor, flight: _Flight) -> torch.Tensor:
+        a, block = self.adapter, self.blocks[k]
+        if block == -1:
+            return pieces.embed(a, value)
+        if block == a.head_index:
+            return pieces.head(a, value, flight.labels)
+        if flight.shared is None:  # made by the stage's first layer, shared by the others
+            flight.shared = pieces.layer_inputs(a, value, self.layers)
+        return pieces.decoder_layer(a, block, value, flight.shared)
+
+
+@dataclass
+class _Flight:
+    """One micro-batch in flight on this rank: its pieces' detached inputs and their outputs."""
+
+    labels: torch.Tensor | None
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+    shared: pieces.LayerInputs | None = None
+
+
+@dataclass(frozen=True)
+class Point:
+    """A steady scheduling point as it ran (telemetry): the order of (class, stage), the DP's
+    predicted time and the classes' serial time, whether the schedule came from the cache."""
+
+    forward: int
+    backward: int
+    recovered: int | None
+    order: list[tuple[str, int]]
+    predicted_s: float
+    serial_s: float
+    cache_hit: bool
+    solve_s: float
+
+    def to_json(self) -> dict:
+        return {
+            "backward": self.backward, "recovered": self.recovered, "order": [f"{c}{s}" for c, s in self.order],
+            "predicted_s": self.predicted_s, "serial_s": self.serial_s, "cache_hit": self.cache_hit, "solve_s": self.solve_s,
+        }
+
+
+def _issue_order(schedule: Schedule) -> list[tuple[str, int]]:
+    """(class, stage) as the executor issues them: window by window, a window's reloads (R's even
+    stages) first, so that on CUDA they run on the copy stream under the window's compute, then
+    the rest in F, B, O, R order (`Schedule.order`)."""
+    order = []
+    for window in schedule.windows:
+        run = [(CLASSES[c], s) for c, (a, b) in enumerate(window) for s in range(a, b)]
+        order += sorted(run, key=lambda item: item[0] != "R" or item[1] % 2 == 1)
+    return order
+
+
+class DualBatchExecutor:
+    """Runs a pipeline rank's forwards, backwards and fused steady points on `stage`, with
+    `provisioner` (optional: without it a point runs in program order, F then B per block)."""
+
+    def __init__(self, stage: StagePieces, provisioner: Provisioner | None = None, around: Around | None = None):
+        self.stage, self.provisioner = stage, provisioner
+        self.around = around or (lambda kind, mb: nullcontext())
+        self._flights: dict[int, _Flight] = {}
+        self.cache = ScheduleCache(self._stages) if provisioner else None
+        self._serial: dict[tuple, float] = {}  # per cache key: the classes' serial time
+        self.points: list[Point] = []
+
+    # --- unfused: warmup forwards, cooldown backwards -------------------------------------------
+    def forward(self, mb: int, value: torch.Tensor, labels: torch.Tensor | None = None, **engine) -> torch.Tensor:
+        """Micro-batch `mb`'s forward through the stage: `value` is the input ids on the first rank,
+        the received hidden states elsewhere; returns the loss on the last rank, else the hidden
+        states to send. `engine`: `phase`, `in_flight` for `Provisioner.begin_forward`."""
+        self._begin(mb, value, labels, **engine)
+        for k in range(len(self.stage.blocks)):
+            self._forward_piece(mb, k)
+        return self._end_forward(mb)
+
+    def backward(self, mb: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Micro-batch `mb`'s backward: `grad` is the gradient of the stage's output (None on the
+        last rank, whose output is the loss); returns the gradient of its input (None on the first)."""
+        for k in reversed(range(len(self.stage.blocks))):
+            self._backward_piece(mb, k, grad)
+        return self._end_backward(mb)
+
+    # --- fused: a steady point ----------------------------------------------------------------
+    def point(
+        self, x: int, value: torch.Tensor, labels: torch.Tensor | None, y: int, grad: torch.Tensor | None = None, **engine
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """F_x B_y fused (§V-B), with the recovery of y+1 when it is neither x nor x-1: returns x's
+        output (as `forward`) and the gradient of y's input (as `backward`)."""
+        if y not in self._flights:
+            raise ValueError(f"point({x}, {y}): micro-batch {y} has no forward awaiting its backward")
+        self._begin(x, value, labels, **engine)
+        recovered = y + 1 if y + 1 < x - 1 and y + 1 in self._flights else None
+        n = len(self.stage.blocks)
+        schedule, key, hit, solve_s = self._schedule(x, y, recovered)
+        out, order = None, _issue_order(schedule)
+        for kind, s in order:
+            if kind == "F":
+                self._forward_piece(x, s)
+                if s == n - 1:
+                    out = self._end_forward(x)
+            elif kind == "B":
+                self._backward_piece(y, n - 1 - s, grad)
+            elif kind == "R" and recovered is not None:
+                self._recover(recovered, self.stage.blocks[n - 1 - s // 2], reload=s % 2 == 0)
+        grad_in = self._end_backward(y)
+        if self.provisioner:
+            point = Point(x, y, recovered, order, schedule.time_s, self._serial[key], hit, solve_s)
+            self.points.append(point)
+            self.provisioner.record_point(x, point.to_json())
+        return out, grad_in
+
+    def _schedule(self, x: int, y: int, recovered: int | None) -> tuple[Schedule, tuple | None, bool, float]:
+        """The point's order: the DP's (cached) with a Provisioner, else program order."""
+        n = len(self.stage.blocks)
+        if self.provisioner is None:
+            windows = tuple(((k, k + 1), (k, k + 1), (k, k), (2 * k, 2 * k)) for k in range(n))
+            return Schedule(0.0, windows), None, False, 0.0
+        p = self.provisioner
+        plans = tuple(p.plan_of(mb) if mb is not None and mb in self._flights else None for mb in (x, y, x - 1, recovered))
+        event = p.event_of(x)
+        key = (event.tokens, event.seq_len, *(tuple(sorted(plan.items())) if plan else () for plan in plans))
+        hits, start = self.cache.hits, time.perf_counter()
+        schedule = self.cache.get(key)
+        return schedule, key, self.cache.hits > hits, time.perf_counter() - start
+
+    def _stages(self, key) -> list:
+        """A point's piece stages from the cost model and the four micro-batches' plans (a miss)."""
+        tokens, seq_len, *plans = key
+        cm = self.provisioner.stage.cost
+        forward, backward, offload, recovery = ({op: s for op, s in plan} for plan in plans)
+        blocks = piece_stages(point_stages(cm, forward, backward, offload, recovery, tokens, seq_len=seq_len,
+                                           options=self.provisioner.stage.options))
+        self._serial[key] = sum(window_time([run]) for run in joined(blocks))
+        return blocks
+
+    # --- pieces --------------------------------------------------------------------------------
+    def _begin(self, mb: int, value: torch.Tensor, labels: torch.Tensor | None, **engine) -> None:
+        if mb in self._flights:
+            raise ValueError(f"forward of micro-batch {mb}: it is in flight already")
+        if self.stage.last and labels is None:
+            raise ValueError(f"forward of micro-batch {mb}: the last pipeline rank needs its labels")
+        if self.provisioner:
+            tokens, seq_len = (value.numel(), value.shape[-1]) if self.stage.first else (value.shape[0] * value.shape[1], value.shape[1])
+            with self.around("F", mb):
+                self.provisioner.begin_forward(mb, tokens, seq_len, **engine)
+        self._flights[mb] = _Flight(labels, inputs=[value], outputs=[None] * len(self.stage.blocks))
+
+    def _forward_piece(self, mb: int, k: int) -> None:
+        flight = self._flights[mb]
+        if k > 0:
+            previous = flight.outputs[k - 1]
+            flight.inputs.append(previous.detach().requires_grad_(previous.requires_grad))
+        value = flight.inputs[k]
+        with self.around("F", mb):
+            flight.outputs[k] = self.stage.run(k, value, flight)
+
+    def _end_forward(self, mb: int) -> torch.Tensor:
+        if self.provisioner:
+            self.provisioner.end_forward(mb)
+        out = self._flights[mb].outputs[-1]
+        return out.detach().requires_grad_(out.requires_grad) if not self.stage.last else out.detach()
+
+    def _backward_piece(self, mb: int, k: int, grad: torch.Tensor | None) -> None:
+        flight = self._flights[mb]
+        out, flight.outputs[k] = flight.outputs[k], None
+        upstream = grad if k == len(self.stage.blocks) - 1 else flight.inputs[k + 1].grad
+        if k + 1 < len(flight.inputs):
+            flight.inputs[k + 1] = None
+        if out.requires_grad:
+            with self._as(mb), self.around("B", mb):
+                torch.autograd.backward(out, upstream)
+
+    def _end_backward(self, mb: int) -> torch.Tensor | None:
+        flight = self._flights.pop(mb)
+        first = flight.inputs[0]
+        if self.provisioner:
+            self.provisioner.end_backward(mb)
+        return first.grad if isinstance(first, torch.Tensor) and first.requires_grad else None
+
+    def _recover(self, mb: int, block: int, reload: bool) -> None:
+        runtime = self.provisioner.runtime if self.provisioner else None
+        if runtime is None:
+            return
+        with self._as(mb), self.around("B", mb):
+            (runtime.reload if reload else runtime.recompute)(mb, block)
+
+    @contextmanager
+    def _as(self, mb: int) -> Iterator[None]:
+        """Run backward or recovery work of micro-batch `mb` inside another's forward: the Ledger
+        charges `mb` what it records, and the forward resumes with its micro-batch and op scope
+        as it left them (the op scope decides how a save is kept)."""
+        if self.provisioner is None:
+            yield
+            return
+        runtime = self.provisioner.runtime
+        ledger, tracker = runtime.ledger, runtime.tracker
+        before = ledger.micro_batch, tracker.current
+        ledger.micro_batch = mb
+        try:
+            yield
+        finally:
+            ledger.micro_batch, tracker.current = before
