@@ -42,12 +42,21 @@ class _Section(BaseModel):
 
 class Pipeline(_Section):
     """This device's pipeline stage. The budget of each micro-batch depends on the 1F1B phase
-    (§V-A): stage `rank` of `pp` runs pp - rank - 1 warmup forwards before its first backward."""
+    (§V-A): stage `rank` of `pp` runs pp - rank - 1 warmup forwards before its first backward.
+    With vp > 1 (Megatron-LM's interleaved 1F1B, §VI-A) the rank holds vp model chunks and each
+    forward runs one chunk of a micro-batch (`costmodel.pipeline.interleaved_one_f_one_b`); `Stage`
+    budgets whole-rank micro-batches and refuses it. Table II's VP is layers per virtual stage,
+    i.e. model.num_layers / (pp * vp) here."""
 
     pp: int = Field(default=1, ge=1)
     rank: int = Field(default=0, ge=0)
     micro_batches: int = Field(ge=1, description="micro-batches per iteration")
     schedule: Literal["1f1b"] = "1f1b"
+    vp: int = Field(
+        default=1,
+        ge=1,
+        description="model chunks (virtual stages) per rank, Megatron's virtual_pipeline_model_parallel_size; 1: plain 1F1B",
+    )
     dual_batch: bool = Field(
         default=False,
         description="fused dual-batch execution in the steady phase (§V-B): each forward runs interleaved with the "
@@ -56,13 +65,20 @@ class Pipeline(_Section):
 
     @model_validator(mode="after")
     def _rank_in_pipeline(self) -> Pipeline:
+        problems = []
         if self.rank >= self.pp:
-            reject([("rank", f"rank ({self.rank}) must be < pp ({self.pp})")])
+            problems.append(("rank", f"rank ({self.rank}) must be < pp ({self.pp})"))
+        if self.vp > 1 and self.pp < 2:
+            problems.append(("vp", f"vp ({self.vp}) interleaves model chunks over pipeline ranks: it needs pp >= 2, got {self.pp}"))
+        elif self.vp > 1 and self.micro_batches % self.pp:
+            msg = f"with vp ({self.vp}) > 1, micro_batches ({self.micro_batches}) must be a multiple of pp ({self.pp})"
+            problems.append(("vp", f"{msg}: the interleaved schedule runs them in groups of pp"))
         if self.dual_batch:
             try:
                 check_pipeline(self.pp)
             except ValueError as error:
-                reject([("dual_batch", str(error))])
+                problems.append(("dual_batch", str(error)))
+        reject(problems)
         return self
 
 
@@ -218,6 +234,9 @@ class Recipe(_Section):
         if m.num_layers % pipe.pp:
             msg = f"pp ({pipe.pp}) must divide model.num_layers ({m.num_layers}): stages have equal layers"
             problems.append(("pipeline.pp", msg))
+        elif m.num_layers % (pipe.pp * pipe.vp):
+            msg = f"pp*vp ({pipe.pp * pipe.vp}) must divide model.num_layers ({m.num_layers}): virtual stages have equal layers"
+            problems.append(("pipeline.vp", msg))
         for name in ("reserve_bytes", "min_budget", "non_activation_bytes"):
             value = getattr(self.budget, name)
             if value != "auto" and value >= cap:

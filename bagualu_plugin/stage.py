@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .config import Recipe
 from .costmodel import CostModel, Curve, MicroBatchCost, MitigationOptions, OpId, iteration_curve
-from .costmodel.pipeline import Step, one_f_one_b
+from .costmodel.pipeline import Step, one_f_one_b, warmup_depth
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,12 @@ class Stage:
         split to the recipe's pipeline stage, or already the stage's own when `split` is False
         (the model a pipeline rank holds is its stage)."""
         par, pipe, budget = recipe.parallel, recipe.pipeline, recipe.budget
+        if pipe.vp > 1:
+            raise ValueError(
+                f"pipeline.vp={pipe.vp}: a stage is budgeted per whole-rank micro-batch (its cost split by contiguous layers, "
+                "M0, Algorithm 1 freeing forward i - B_w before forward i, the Provisioner keyed by micro-batch); interleaved "
+                "chunks free in another order (costmodel.pipeline.interleaved_one_f_one_b) and are not budgeted: use vp=1"
+            )
         whole = cost or CostModel.from_config(recipe.model, recipe.hardware, par)
         stage = whole.stage(pipe.pp, pipe.rank) if split else whole
         tokens = recipe.batch.tokens
@@ -60,7 +66,7 @@ class Stage:
         """B_w: micro-batches in flight at the stage's peak. 1F1B's first steady forward also runs
         before any backward, so rank r of P stacks min(P - r, m), one more than its warmup forwards."""
         pipe = self.recipe.pipeline
-        return min(pipe.pp - pipe.rank, pipe.micro_batches)
+        return warmup_depth(pipe.pp, pipe.rank, pipe.micro_batches)
 
     @property
     def schedule(self) -> list[Step]:

@@ -169,6 +169,13 @@ BAD = [
     ("negative", {"spikes__seed": -1}, "spikes.seed", "greater than or equal to 0"),
     ("zero-micro-batches", {"pipeline__micro_batches": 0}, "pipeline.micro_batches", "or equal to 1, got 0"),
     ("rank-not-below-pp", {"pipeline__rank": 4}, "pipeline.rank", "rank (4) must be < pp (4)"),
+    ("vp-zero", {"pipeline__vp": 0}, "pipeline.vp", "or equal to 1, got 0"),
+    ("vp-without-pipeline", {"pipeline__pp": 1, "pipeline__rank": 0, "pipeline__vp": 2}, "pipeline.vp", "needs pp >= 2, got 1"),
+    (
+        "vp-micro-batches-not-groups-of-pp", {"pipeline__vp": 2, "pipeline__micro_batches": 6, "spikes__micro_batches": [0]},
+        "pipeline.vp", "micro_batches (6) must be a multiple of pp (4)",
+    ),
+    ("layers-not-divisible-by-pp-vp", {"pipeline__vp": 3}, "pipeline.vp", "pp*vp (12) must divide model.num_layers (8)"),
     ("top-k-over-experts", {"model__top_k": 17}, "model.top_k", "top_k (17) exceeds num_experts (16)"),
     ("ep-not-dividing-experts", {"model__num_experts": 12}, "parallel.ep", "num_experts (12)"),
     ("ep-not-dividing-dp-tp", {"parallel__dp": 2}, "parallel.ep", "dp*tp (4)"),

@@ -6,12 +6,13 @@ from .graph import LAYER_OPS, BlockGraph, OpId, OpSpec, TensorSpec
 from .linear import LinearForm, Load
 from .mitigation import MITIGATIONS, STRATEGIES, Footprint, MitigationOptions, footprint
 from .model import CostModel, MitigationCost, OpCost
-from .pipeline import Curve, MicroBatchCost, Step, iteration_curve, one_f_one_b
+from .pipeline import Curve, MicroBatchCost, Step, interleaved_one_f_one_b, iteration_curve, one_f_one_b, warmup_depth
 from .roofline import Roofline, crossover
 
 __all__ = [
     "FAMILIES", "LAYER_OPS", "MITIGATIONS", "STRATEGIES", "BlockGraph", "CostModel", "Curve",
     "Footprint", "LinearForm", "Load", "MLADims", "MicroBatchCost", "MitigationCost",
     "MitigationOptions", "ModelDims", "OpCost", "OpId", "OpSpec", "Parallel", "Roofline", "Step",
-    "TensorSpec", "crossover", "footprint", "iteration_curve", "one_f_one_b", "param_count",
+    "TensorSpec", "crossover", "footprint", "interleaved_one_f_one_b", "iteration_curve", "one_f_one_b",
+    "param_count", "warmup_depth",
 ]

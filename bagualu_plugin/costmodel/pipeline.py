@@ -4,6 +4,11 @@ A forward micro-batch is a rising triangle (Δm over Δt_f), a backward a fallin
 P-stage 1F1B pipeline runs, as nanotron's `OneForwardOneBackwardPipelineEngine` does,
 min(P - r - 1, m) warmup forwards, then forward/backward pairs (steady), then the remaining
 backwards (cooldown). Memory only rises during forwards, so the peak is reached at the end of one.
+
+The paper trains with Megatron-LM's interleaved 1F1B (§VI-A): each rank holds `vp` model chunks
+(virtual stages) and every forward or backward is one chunk of one micro-batch.
+`interleaved_one_f_one_b` gives that order, `warmup_depth` the chunk forwards that stack. Table
+II's VP column counts layers per virtual stage, so there vp = num_layers / (pp * VP).
 """
 
 from __future__ import annotations
@@ -29,17 +34,24 @@ class Step:
     kind: Literal["F", "B"]
     micro_batch: int
     phase: Phase
+    chunk: int = 0  # the model chunk (virtual stage) it runs; always 0 without interleaving
 
 
-def stage_layers(num_layers: int, pp: int, rank: int) -> range:
+def stage_layers(num_layers: int, pp: int, rank: int, vp: int = 1, chunk: int = 0) -> range:
     """The decoder layers (positions among them) that rank `rank` of a `pp`-stage pipeline holds:
-    an equal share, in order."""
+    an equal share, in order. With `vp` chunks per rank, chunk `chunk` holds virtual stage
+    chunk * pp + rank of pp * vp equal ones, so a micro-batch visits every rank once per chunk."""
     if pp < 1 or not 0 <= rank < pp:
         raise ValueError(f"need 0 <= rank < pp, got rank={rank}, pp={pp}")
-    if num_layers % pp:
-        raise ValueError(f"{num_layers} decoder layers do not split evenly over pp={pp} stages")
-    per = num_layers // pp
-    return range(rank * per, (rank + 1) * per)
+    if vp < 1 or not 0 <= chunk < vp:
+        raise ValueError(f"need vp >= 1 and 0 <= chunk < vp, got chunk={chunk}, vp={vp}")
+    stages = pp * vp
+    if num_layers % stages:
+        split = f"pp={pp} stages" if vp == 1 else f"pp*vp={stages} virtual stages (pp={pp}, vp={vp})"
+        raise ValueError(f"{num_layers} decoder layers do not split evenly over {split}")
+    per = num_layers // stages
+    first = (chunk * pp + rank) * per
+    return range(first, first + per)
 
 
 def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Step]:
@@ -53,6 +65,68 @@ def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Step]:
     for i in range(micro_batches - warmup):
         steps += [Step("F", warmup + i, "steady"), Step("B", i, "steady")]
     steps += [Step("B", i, "cooldown") for i in range(micro_batches - warmup, micro_batches)]
+    return steps
+
+
+def _check_interleaving(pp: int, rank: int, micro_batches: int, vp: int) -> None:
+    if vp < 1:
+        raise ValueError(f"vp must be >= 1, got {vp}")
+    if pp < 1 or not 0 <= rank < pp:
+        raise ValueError(f"need 0 <= rank < pp, got rank={rank}, pp={pp}")
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if vp > 1 and pp < 2:
+        raise ValueError(f"vp={vp} interleaves chunks over pipeline ranks: it needs pp >= 2, got pp={pp}")
+    if vp > 1 and micro_batches % pp:
+        raise ValueError(f"with vp={vp} micro_batches must be a multiple of pp={pp} (they run in groups of pp), got {micro_batches}")
+
+
+def _interleaved_warmup_forwards(pp: int, rank: int, micro_batches: int, vp: int) -> int:
+    """Megatron-LM's warmup: every rank runs (vp - 1) groups of pp chunk forwards, an earlier rank
+    two more per later rank (one to fill the pipeline, one for the backward coming back to it)."""
+    return min((pp - rank - 1) * 2 + (vp - 1) * pp, micro_batches * vp)
+
+
+def warmup_depth(pp: int, rank: int, micro_batches: int, vp: int = 1) -> int:
+    """B_w of Algorithm 1 (§V-A): the forwards whose activations stack before the first backward
+    on `rank`. The first steady forward also runs before any backward, so this is one more than
+    the warmup forwards: min(pp - rank, m) for plain 1F1B. With vp > 1 it counts chunk forwards,
+    each holding 1/vp of the rank's layers, so a per-micro-batch budget (and M0) would be one
+    chunk's forward."""
+    _check_interleaving(pp, rank, micro_batches, vp)
+    if vp == 1:
+        return min(pp - rank, micro_batches)
+    return min(_interleaved_warmup_forwards(pp, rank, micro_batches, vp) + 1, micro_batches * vp)
+
+
+def interleaved_one_f_one_b(pp: int, rank: int, micro_batches: int, vp: int) -> list[Step]:
+    """The order of chunk forwards and backwards on `rank` of Megatron-LM's interleaved 1F1B with
+    `vp` chunks per rank (§VI-A). Micro-batches go in groups of pp: the group runs
+    chunk 0, then chunk 1, ...; backwards take the same micro-batches with the chunks reversed,
+    the last chunk first. vp = 1 is plain 1F1B (`one_f_one_b`), whose warmup is pp - rank - 1,
+    not the 2 * (pp - rank - 1) the interleaved rule would give."""
+    _check_interleaving(pp, rank, micro_batches, vp)
+    if vp == 1:
+        return one_f_one_b(pp, rank, micro_batches)
+    total = micro_batches * vp
+    warmup = _interleaved_warmup_forwards(pp, rank, micro_batches, vp)
+
+    def order(k: int) -> tuple[int, int]:  # the k-th chunk forward's (micro-batch, chunk)
+        group, within = divmod(k, pp * vp)
+        return group * pp + within % pp, within // pp
+
+    def forward(k: int, phase: Phase) -> Step:
+        mb, chunk = order(k)
+        return Step("F", mb, phase, chunk)
+
+    def backward(k: int, phase: Phase) -> Step:
+        mb, chunk = order(k)
+        return Step("B", mb, phase, vp - 1 - chunk)
+
+    steps = [forward(k, "warmup") for k in range(warmup)]
+    for k in range(total - warmup):
+        steps += [forward(warmup + k, "steady"), backward(k, "steady")]
+    steps += [backward(k, "cooldown") for k in range(total - warmup, total)]
     return steps
 
 
