@@ -34,6 +34,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..adapters import Adapter
@@ -150,7 +151,7 @@ class DualBatchExecutor:
         recovered = y + 1 if y + 1 < x - 1 and y + 1 in self._flights else None
         n = len(self.stage.blocks)
         schedule, key, hit, solve_s = self._schedule(x, y, recovered)
-        out, order = None, _issue_order(schedule)
+        out, order = None, self._agreed(_issue_order(schedule))
         for kind, s in order:
             if kind == "F":
                 self._forward_piece(x, s)
@@ -166,6 +167,17 @@ class DualBatchExecutor:
             self.points.append(point)
             self.provisioner.record_point(x, point.to_json())
         return out, grad_in
+
+    def _agreed(self, order: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Under expert parallelism every rank of the group runs EP rank 0's order: F and B pieces
+        hold all-to-alls that every rank must issue in the same order, and each rank's plans (so
+        its solved order) follow its own routing."""
+        group = self.stage.adapter.expert_group
+        if group is None or group.size == 1:
+            return order
+        box = [order]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group.group, 0), group=group.group)
+        return box[0]
 
     def _schedule(self, x: int, y: int, recovered: int | None) -> tuple[Schedule, tuple | None, bool, float]:
         """The point's order: the DP's (cached) with a Provisioner, else program order."""
