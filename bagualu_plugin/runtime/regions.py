@@ -1,5 +1,5 @@
-"""Recompute regions (paper §IV-B): a recompute unit's or span's forward run under a
-non-reentrant checkpoint. A unit's region drops every save of its ops; a span's region
+"""Recompute regions (paper §IV-B): a recompute unit's or span's forward run under our checkpoint
+(`runtime.replay`). A unit's region drops every save of its ops; a span's region
 (`costmodel.graph.standard_spans`) drops only the recomputed ops' saves and sends every other
 save through the plan's hooks (`SpanSaves`). The region's inputs are held as they are.
 """
@@ -12,9 +12,9 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import checkpoint
 
 from ..adapters.experts import IMPLEMENTATION
+from .replay import Frame, checkpoint
 
 
 @contextmanager
@@ -72,7 +72,7 @@ class SpanSaves:
             pack_outside = unpack_outside = same
 
             def decide() -> bool:
-                return next(replay, True)  # more saves than the forward made: torch's check says so
+                return next(replay, True)  # more saves than the forward made: the replay check says so
 
         def pack(tensor: torch.Tensor):
             if decide():
@@ -87,14 +87,16 @@ class SpanSaves:
             yield
 
 
-def recompute(module: nn.Module, forward: Callable, config, args: tuple, kwargs: dict, saves: Callable = nullcontext):
-    """`forward(*args, **kwargs)` of `module` run under a non-reentrant checkpoint, its saves
-    routed by `saves()` (a `SpanSaves`; by default all are the checkpoint's).
+def recompute(
+    module: nn.Module, forward: Callable, config, args: tuple, kwargs: dict, saves: Callable = nullcontext
+) -> tuple[object, Frame]:
+    """`forward(*args, **kwargs)` of `module` run under our checkpoint, its saves routed by
+    `saves()` (a `SpanSaves`; by default all are the checkpoint's): its output and its frame.
 
     Every tensor the forward receives, keyword arguments and tuples (RoPE tables) included, is
-    handed to the checkpoint positionally: the checkpoint saves its positional tensors for
-    backward, where the Ledger sees them, and would hold the rest unseen. The recomputation in
-    backward runs the experts as the forward did, even after the runtime has been removed.
+    handed to the checkpoint, which saves them for backward, where the Ledger sees them; the
+    replay holds no other reference to them. It runs the experts as the forward did, even after
+    the runtime has been removed.
     """
     if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "past_key_value")):
         raise ValueError(
@@ -103,6 +105,9 @@ def recompute(module: nn.Module, forward: Callable, config, args: tuple, kwargs:
         )
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    inputs = [leaves[i] for i in where]
+    for i in where:
+        leaves[i] = None
 
     def run(*tensors):
         filled = list(leaves)
@@ -112,5 +117,5 @@ def recompute(module: nn.Module, forward: Callable, config, args: tuple, kwargs:
         with bagualu_experts(config), saves():
             return forward(*a, **kw)
 
-    return checkpoint(run, *(leaves[i] for i in where), use_reentrant=False)
+    return checkpoint(run, *inputs)
 
