@@ -47,9 +47,11 @@ class SpanSaves:
     The forward tells the ops apart by the op scope at each save, and the dropped set is read
     live, so a gate that escalates the MoE block's experts mid-forward still drops their saves.
     The replay repeats the forward's decisions in save order: it may run after `apply_plan` has
-    removed the op scopes; there the other ops' saves stay with the replay's own graph, which
-    backward discards. Why not torch's selective checkpointing: it caches op outputs outside the
-    saved-tensor hooks, where the Ledger would not see them, and every output, saved or not."""
+    removed the op scopes; there the other ops' saves stay with the replay's own graph, which is
+    discarded, as detached aliases (a saved output kept as it is would hold its own node through
+    the hooks, a cycle Python's collector cannot see, and with it the region). Why not torch's
+    selective checkpointing: it caches op outputs outside the saved-tensor hooks, where the Ledger
+    would not see them, and every output, saved or not."""
 
     def __init__(self, dropped: Callable[[], bool]):
         self.dropped = dropped
@@ -69,7 +71,7 @@ class SpanSaves:
 
         else:
             replay = iter(self.decisions)
-            pack_outside = unpack_outside = same
+            pack_outside, unpack_outside = torch.Tensor.detach, same
 
             def decide() -> bool:
                 return next(replay, True)  # more saves than the forward made: the replay check says so

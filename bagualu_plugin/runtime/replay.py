@@ -83,7 +83,10 @@ class Frame:
         count = 0
 
         def take(tensor: torch.Tensor) -> torch.Tensor:
+            """Keep the replay's save for backward; the replay's own graph, discarded, gets a detached alias
+            (an output kept as it is would hold its own node through this hook: a cycle the collector cannot see)."""
             nonlocal count
+            tensor = tensor.detach()
             saved, count = self.saves[count](), count + 1
             if saved is not None:  # else backward has used it already
                 meta = (tensor.shape, tensor.dtype)
@@ -92,7 +95,7 @@ class Frame:
                         f"a recompute region's save {count - 1} was a {saved.meta[1]} of shape {tuple(saved.meta[0])} in its "
                         f"forward and is a {meta[1]} of shape {tuple(meta[0])} in its replay: the region is not deterministic"
                     )
-                saved.tensor = tensor.detach()
+                saved.tensor = tensor
             if count == len(self.saves):
                 raise _Done
             return tensor
