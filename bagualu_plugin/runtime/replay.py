@@ -45,7 +45,8 @@ class _Saved:
 class Frame:
     """One run of a region. The graph holds its handles, and the frame through their unpack hook;
     the frame holds the handles weakly, so each one, and the recomputed tensor in it, goes when
-    backward has used it, and the frame with everything it holds dies with the graph."""
+    backward has used it, and the frame with everything it holds dies with the graph. Once
+    replayed it lets go of its inputs: backward needs only what the replay saved."""
 
     def __init__(self, run: Callable, inputs: tuple[torch.Tensor, ...]):
         self.run = run
