@@ -4,6 +4,8 @@ that differ come from the family's traits (`bagualu_plugin.families`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -143,7 +145,22 @@ def list_ops(model: nn.Module) -> list[OpId]:
     return Adapter(model).ops()
 
 
+_replays = 0  # recompute regions replaying now (`runtime.replay`), maybe ahead of backward
+
+
+@contextmanager
+def replaying() -> Iterator[None]:
+    """Inside: a recompute region replays, in backward or ahead of it (paper §V-B)."""
+    global _replays
+    _replays += 1
+    try:
+        yield
+    finally:
+        _replays -= 1
+
+
 def is_inside_backward() -> bool:
-    """True while autograd's engine runs (e.g. a checkpoint recomputing a layer): decisions taken
-    at the gate must not be taken again then (DESIGN.md section 5)."""
-    return torch._C._current_graph_task_id() != -1
+    """True while autograd's engine runs or a recompute region replays ahead of it (`replaying`):
+    decisions taken at the gate must not be taken again then (DESIGN.md section 5), and a module
+    a region replays runs plainly."""
+    return _replays > 0 or torch._C._current_graph_task_id() != -1

@@ -34,12 +34,15 @@ class _Offloads:
     before: _Offloads | None
     copies: list = field(default_factory=list)  # weak references: backward frees them
 
+    def prefetch(self) -> None:
+        for ref in self.copies:
+            copy = ref()
+            if copy is not None:
+                copy.prefetch()
+
     def prefetch_before(self, _restored: Stored) -> None:
         if self.before is not None:
-            for ref in self.before.copies:
-                copy = ref()
-                if copy is not None:
-                    copy.prefetch()
+            self.before.prefetch()
 
 
 class SavedTensorHooks:
@@ -57,6 +60,15 @@ class SavedTensorHooks:
         """The model's forward pre-hook: this micro-batch's offloads start a new chain, so that
         prefetch never reaches into another forward and old chains die with their copies."""
         self._last_offload.pop(self.ledger.micro_batch, None)
+
+    def prefetch(self, micro_batch: int | None, layer: int) -> None:
+        """Start bringing back the host copies `layer`'s ops made in `micro_batch`'s latest forward,
+        ahead of its backward (`PlanRuntime.recover`); those backward has restored are gone."""
+        group = self._last_offload.get(micro_batch)
+        while group is not None:
+            if group.op is not None and group.op.layer == layer:
+                group.prefetch()
+            group = group.before
 
     def layer_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A decoder layer's forward pre-hook: what every layer receives (RoPE tables, masks) is

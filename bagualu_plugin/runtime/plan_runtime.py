@@ -4,17 +4,19 @@ model (paper §IV-B, §V-A; DESIGN.md section 4).
 - keep: the Ledger's pack (a detached alias, counted on the device);
 - offload / fp8: the saved storage kept in another form (`runtime.storage`) by the plan's
   saved-tensor hooks (`runtime.hooks`);
-- recompute: the op's recompute unit (`costmodel.graph.standard_units`) runs under a non-reentrant
-  checkpoint: a module's forward, or an expert op through the experts' runner. An op no unit
-  covers alone (attention's three, Qwen2-MoE's gated shared expert) goes through its span
+- recompute: the op's recompute unit (`costmodel.graph.standard_units`) runs under our checkpoint
+  (`runtime.replay`): a module's forward, or an expert op through the experts' runner. An op no
+  unit covers alone (attention's three, Qwen2-MoE's gated shared expert) goes through its span
   (`standard_spans`): the attention module's or MoE block's forward under a checkpoint that takes
   only the recomputed ops' saves (`runtime.regions`). A region's inputs stay on the device, as
-  the cost model holds them. The LM head and loss run through the loss runner (`runtime.head`),
+  the cost model holds them; `PlanRuntime.recover` replays a layer's regions ahead of its
+  backward (paper §V-B). The LM head and loss run through the loss runner (`runtime.head`),
   also to realise `MitigationOptions.loss_chunk_tokens`.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
 from functools import partial
@@ -65,6 +67,7 @@ class PlanRuntime:
         self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options, HostPool())
         self._regions: dict[tuple[int, tuple[str, ...]], frozenset[str]] = {}
         self._ops = frozenset(self.adapter.ops())  # set_plan runs per micro-batch: list them once
+        self._frames: dict[tuple[int | None, int], list[weakref.ref]] = {}  # (micro-batch, layer): its live regions
         self._stack: ExitStack | None = None
         self._forwarding = False  # inside forward(): only there does the plan apply
 
@@ -139,7 +142,26 @@ class PlanRuntime:
 
         saves = nullcontext if region == set(unit) else SpanSaves(dropped)
         with self._holding():
-            return recompute(module, forward, self.adapter.config, args, kwargs, saves)
+            output, frame = recompute(module, forward, self.adapter.config, args, kwargs, saves)
+        key = (self.ledger.micro_batch, layer)  # weakly: a frame dies with its graph
+        self._frames[key] = [*(ref for ref in self._frames.get(key, ()) if ref() is not None), weakref.ref(frame)]
+        return output
+
+    def recover(self, micro_batch: int | None, layer: int) -> None:
+        """The recovery of `layer` for `micro_batch`'s backward, run ahead of it: its host copies
+        start coming back and its recompute regions replay now, so that backward replays nothing.
+        The fused dual-batch executor (paper §V-B) interleaves it with other micro-batches' work at
+        a steady 1F1B scheduling point. Nothing happens where there is nothing to recover (no such
+        micro-batch or layer, or its backward has run)."""
+        self.hooks.prefetch(micro_batch, layer)
+        current = self.tracker.current  # a replay runs the op scopes: an interleaved forward goes on in its own op
+        try:
+            for ref in reversed(self._frames.pop((micro_batch, layer), [])):  # in backward order
+                frame = ref()
+                if frame is not None:
+                    frame.recompute_now()
+        finally:
+            self.tracker.current = current
 
     def _holding(self):
         """While the plan's hooks are in force, a region's inputs stay on the device as they are,

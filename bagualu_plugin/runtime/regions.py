@@ -1,5 +1,5 @@
-"""Recompute regions (paper §IV-B): a recompute unit's or span's forward run under a
-non-reentrant checkpoint. A unit's region drops every save of its ops; a span's region
+"""Recompute regions (paper §IV-B): a recompute unit's or span's forward run under our checkpoint
+(`runtime.replay`). A unit's region drops every save of its ops; a span's region
 (`costmodel.graph.standard_spans`) drops only the recomputed ops' saves and sends every other
 save through the plan's hooks (`SpanSaves`). The region's inputs are held as they are.
 """
@@ -12,9 +12,9 @@ from contextlib import contextmanager, nullcontext
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import checkpoint
 
 from ..adapters.experts import IMPLEMENTATION
+from .replay import Frame, checkpoint
 
 
 @contextmanager
@@ -47,9 +47,11 @@ class SpanSaves:
     The forward tells the ops apart by the op scope at each save, and the dropped set is read
     live, so a gate that escalates the MoE block's experts mid-forward still drops their saves.
     The replay repeats the forward's decisions in save order: it may run after `apply_plan` has
-    removed the op scopes; there the other ops' saves stay with the replay's own graph, which
-    backward discards. Why not torch's selective checkpointing: it caches op outputs outside the
-    saved-tensor hooks, where the Ledger would not see them, and every output, saved or not."""
+    removed the op scopes; there the other ops' saves stay with the replay's own graph, which is
+    discarded, as detached aliases (a saved output kept as it is would hold its own node through
+    the hooks, a cycle Python's collector cannot see, and with it the region). Why not torch's
+    selective checkpointing: it caches op outputs outside the saved-tensor hooks, where the Ledger
+    would not see them, and every output, saved or not."""
 
     def __init__(self, dropped: Callable[[], bool]):
         self.dropped = dropped
@@ -69,10 +71,10 @@ class SpanSaves:
 
         else:
             replay = iter(self.decisions)
-            pack_outside = unpack_outside = same
+            pack_outside, unpack_outside = torch.Tensor.detach, same
 
             def decide() -> bool:
-                return next(replay, True)  # more saves than the forward made: torch's check says so
+                return next(replay, True)  # more saves than the forward made: the replay check says so
 
         def pack(tensor: torch.Tensor):
             if decide():
@@ -87,14 +89,16 @@ class SpanSaves:
             yield
 
 
-def recompute(module: nn.Module, forward: Callable, config, args: tuple, kwargs: dict, saves: Callable = nullcontext):
-    """`forward(*args, **kwargs)` of `module` run under a non-reentrant checkpoint, its saves
-    routed by `saves()` (a `SpanSaves`; by default all are the checkpoint's).
+def recompute(
+    module: nn.Module, forward: Callable, config, args: tuple, kwargs: dict, saves: Callable = nullcontext
+) -> tuple[object, Frame]:
+    """`forward(*args, **kwargs)` of `module` run under our checkpoint, its saves routed by
+    `saves()` (a `SpanSaves`; by default all are the checkpoint's): its output and its frame.
 
     Every tensor the forward receives, keyword arguments and tuples (RoPE tables) included, is
-    handed to the checkpoint positionally: the checkpoint saves its positional tensors for
-    backward, where the Ledger sees them, and would hold the rest unseen. The recomputation in
-    backward runs the experts as the forward did, even after the runtime has been removed.
+    handed to the checkpoint, which saves them for backward, where the Ledger sees them; the
+    replay holds no other reference to them. It runs the experts as the forward did, even after
+    the runtime has been removed.
     """
     if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "past_key_value")):
         raise ValueError(
@@ -103,6 +107,9 @@ def recompute(module: nn.Module, forward: Callable, config, args: tuple, kwargs:
         )
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    inputs = [leaves[i] for i in where]
+    for i in where:
+        leaves[i] = None
 
     def run(*tensors):
         filled = list(leaves)
@@ -112,5 +119,5 @@ def recompute(module: nn.Module, forward: Callable, config, args: tuple, kwargs:
         with bagualu_experts(config), saves():
             return forward(*a, **kw)
 
-    return checkpoint(run, *(leaves[i] for i in where), use_reentrant=False)
+    return checkpoint(run, *inputs)
 
