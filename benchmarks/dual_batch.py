@@ -63,7 +63,7 @@ def main() -> None:
         for _ in range(100 * steady):  # one miss, then hits: budgets repeat with the phase (§V-B)
             cache.get((round(budget), 0, "steady"))
         amortised = (time.perf_counter() - start) / (100 * steady)
-        serial = schedule.serial_time(stages)
+        serial = schedule.serial_s
         edges = recipe.pipeline.pp * (window_time([stages[0]]) + window_time([stages[1]]))  # warmup F, cooldown B
         rows.append([
             name, f"{len(plan)}", fmt_seconds(serial), fmt_seconds(schedule.time_s), f"{serial / schedule.time_s:.2f}x",

@@ -38,14 +38,15 @@ def test_the_dp_equals_brute_force_and_keeps_every_class_in_order(seed):
         assert [s for cls, s in schedule.order() if cls == CLASSES[c]] == list(range(len(run)))
     windows = sum(window_time([run[a:b] for run, (a, b) in zip(stages, w)]) for w in schedule.windows)
     assert windows == pytest.approx(schedule.time_s)
-    assert schedule.time_s <= schedule.serial_time(stages) + 1e-12
+    assert schedule.time_s <= schedule.serial_s + 1e-12
+    assert schedule.serial_s == pytest.approx(sum(window_time([run]) for run in stages))
 
 
 def test_overlap_hides_copies_behind_compute():
     """Forward compute and an offload's copies run at once: the time is the longer stream's."""
     f, o = [StageTime(compute_s=2.0), StageTime(compute_s=2.0)], [StageTime(copy_s=1.5), StageTime(copy_s=1.5)]
     schedule = solve([f, [], o, []])
-    assert schedule.time_s == pytest.approx(4.0) and schedule.serial_time([f, [], o, []]) == pytest.approx(7.0)
+    assert schedule.time_s == pytest.approx(4.0) and schedule.serial_s == pytest.approx(7.0)
 
 
 def test_a_pipeline_of_two_or_fewer_stages_is_refused():
@@ -101,7 +102,7 @@ def test_a_scheduling_point_s_stages_come_from_the_cost_model():
     stages, blockwise = [f, b, o, r], solve_blocks(blocks)
     for c, run in enumerate(stages):  # the joined windows still keep every class in order
         assert [s for cls, s in blockwise.order() if cls == CLASSES[c]] == list(range(len(run)))
-    assert solve(stages).time_s <= blockwise.time_s + 1e-12 < blockwise.serial_time(stages)
+    assert solve(stages).time_s <= blockwise.time_s + 1e-12 < blockwise.serial_s
 
 
 def test_the_benchmark_prints_every_table_ii_preset():

@@ -40,14 +40,24 @@ def _batches():
 
 
 def _train(model, recipe: Recipe, fused: bool) -> dict:
+    """Two iterations (the second finds the first's schedules in the DP's cache)."""
     prov = apply(model, recipe)
-    losses = run_iteration(model, _batches(), prov.stage.schedule, prov, dual_batch=fused)
+    calls = {"in backward": 0, "other": 0}  # Linear calls: forwards, and replays in backward or ahead of it
+
+    def count(*_):
+        calls["in backward" if torch._C._current_graph_task_id() != -1 else "other"] += 1
+
+    hooks = [m.register_forward_pre_hook(count) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    losses = [loss for _ in range(2) for loss in run_iteration(model, _batches(), prov.stage.schedule, prov, dual_batch=fused)]
+    for hook in hooks:
+        hook.remove()
     run = {
         "losses": torch.stack(losses),
         "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
         "plans": [e.plan for e in prov.events],
         "kept": [e.actual for e in prov.events],
         "points": [e.point for e in prov.events],
+        "calls": calls,
     }
     prov.remove()
     return run
@@ -74,12 +84,15 @@ def test_fused_points_equal_the_unfused_schedule_bitwise(family, rank, capacity,
     assert all(torch.equal(fused["grads"][n], g) for n, g in plain["grads"].items())
     assert fused["plans"] == plain["plans"] and fused["kept"] == plain["kept"]
     assert any(set(plan.values()) & set(allowed) for plan in plain["plans"])  # the plans mitigate
+    # every replay ran once; on rank 0 (x - y = 3) y+1's ran ahead of its backward
+    assert sum(fused["calls"].values()) == sum(plain["calls"].values())
+    assert (fused["calls"]["in backward"] < plain["calls"]["in backward"]) == (rank == 0 and "recompute" in allowed)
 
     warmup = PP - rank - 1
     points = [p for p in fused["points"] if p is not None]
-    assert len(points) == M - warmup and not any(plain["points"])
+    assert len(points) == 2 * (M - warmup) and not any(plain["points"])
     pieces = 4 + 2  # embedding, layers, head
-    for x, point in zip(range(warmup, M), points):
+    for x, point in zip(2 * [*range(warmup, M)], points):
         order = point["order"]
         assert point["backward"] == x - warmup
         assert [o for o in order if o[0] == "F"] == [f"F{k}" for k in range(pieces)]  # program order within a class
@@ -96,7 +109,7 @@ def test_each_steady_point_is_in_the_telemetry(tmp_path):
     path = tmp_path / "telemetry.jsonl"
     _train(base, _recipe(base, 0, 2.6, ["recompute", "offload"], telemetry=str(path)), True)
     events = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [e["point"] is not None for e in events] == [False] * (PP - 1) + [True] * (M - PP + 1)
+    assert [e["point"] is not None for e in events] == 2 * ([False] * (PP - 1) + [True] * (M - PP + 1))
     assert {"backward", "recovered", "order", "predicted_s", "serial_s", "cache_hit", "solve_s"} <= events[-1]["point"].keys()
 
 

@@ -62,19 +62,17 @@ def window_time(runs: Stages) -> float:
 
 @dataclass(frozen=True)
 class Schedule:
-    """The DP's answer: the predicted time and the windows, each the (start, end) stage range
-    of every class that runs in it (empty ranges for classes that do not)."""
+    """The DP's answer: the predicted time, the windows, each the (start, end) stage range of
+    every class that runs in it (empty ranges for classes that do not), and the time of the same
+    stages one class after another (no overlap: what the fused order saves on)."""
 
     time_s: float
     windows: tuple[tuple[tuple[int, int], ...], ...]
+    serial_s: float
 
     def order(self) -> list[tuple[str, int]]:
         """(class, stage) in issue order: window by window, classes in F, B, O, R order."""
         return [(CLASSES[c], s) for window in self.windows for c, (a, b) in enumerate(window) for s in range(a, b)]
-
-    def serial_time(self, stages: Stages) -> float:
-        """The same stages one class after another (no overlap): what the fused order saves on."""
-        return sum(window_time([run]) for run in stages)
 
 
 def check_pipeline(pp: int) -> None:
@@ -127,7 +125,7 @@ def solve(stages: Stages) -> Schedule:
         windows.append(tuple(zip(start, end)))
         end = start
     best.cache_clear()
-    return Schedule(total, tuple(reversed(windows)))
+    return Schedule(total, tuple(reversed(windows)), sum(window_time([run]) for run in lists))
 
 
 def brute_force(stages: Stages) -> float:
@@ -229,13 +227,13 @@ def point_stages(
 def solve_blocks(blocks: Sequence[Stages]) -> Schedule:
     """A scheduling point solved one block at a time (`point_stages`' elements) and joined: the
     windows never cross a block boundary, which keeps each DP at a few stages per class."""
-    total, windows, offsets = 0.0, [], [0] * len(CLASSES)
+    total, serial, windows, offsets = 0.0, 0.0, [], [0] * len(CLASSES)
     for stages in blocks:
         part = solve(stages)
-        total += part.time_s
+        total, serial = total + part.time_s, serial + part.serial_s
         windows += [tuple((a + o, b + o) for (a, b), o in zip(w, offsets)) for w in part.windows]
         offsets = [o + len(run) for o, run in zip(offsets, stages)]
-    return Schedule(total, tuple(windows))
+    return Schedule(total, tuple(windows), serial)
 
 
 def piece_stages(blocks: Sequence[Stages]) -> list[list[list[StageTime]]]:

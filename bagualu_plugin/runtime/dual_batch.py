@@ -16,9 +16,9 @@ The four classes map to the runtime's mechanisms:
 - O: x-1's offload copies. The plan's hooks issue each copy when its tensor is saved, on the copy
   stream on CUDA: the earliest point, so O is already in flight at every point and the executor
   issues nothing for it (the DP still counts its copy time on the copy stream);
-- R: y+1's recovery of a block, its reloads (`PlanRuntime.reload`: the copies start, on the copy
-  stream on CUDA) and then its recompute (`PlanRuntime.recompute`: the block's regions replay now,
-  ahead of y+1's backward, which takes their tensors). No collective runs in a recompute (under
+- R: y+1's recovery of a block, its reloads (`SavedTensorHooks.prefetch`: the copies start, on
+  the copy stream on CUDA) and then its recompute (`PlanRuntime.recover`: the block's regions
+  replay now, ahead of y+1's backward, which takes their tensors). No collective runs in a recompute (under
   expert parallelism no region holds dispatch or combine), so R needs no peer.
 
 R runs when y+1 is neither x nor x-1 (x - y > 2, §V-B); otherwise y+1 recovers lazily in its own
@@ -39,7 +39,7 @@ from torch import nn
 
 from ..adapters import Adapter
 from ..costmodel.pipeline import stage_layers
-from ..planner.dual_batch import CLASSES, Schedule, ScheduleCache, joined, piece_stages, point_stages, window_time
+from ..planner.dual_batch import CLASSES, Schedule
 from . import pieces
 from .provisioner import Provisioner
 
@@ -118,8 +118,6 @@ class DualBatchExecutor:
         self.stage, self.provisioner = stage, provisioner
         self.around = around or (lambda kind, mb: nullcontext())
         self._flights: dict[int, _Flight] = {}
-        self.cache = ScheduleCache(self._stages) if provisioner else None
-        self._serial: dict[tuple, float] = {}  # per cache key: the classes' serial time
         self.points: list[Point] = []
 
     # --- unfused: warmup forwards, cooldown backwards -------------------------------------------
@@ -150,7 +148,7 @@ class DualBatchExecutor:
         self._begin(x, value, labels, **engine)
         recovered = y + 1 if y + 1 < x - 1 and y + 1 in self._flights else None
         n = len(self.stage.blocks)
-        schedule, key, hit, solve_s = self._schedule(x, y, recovered)
+        schedule, hit, solve_s = self._schedule(x, y, recovered)
         out, order = None, self._agreed(_issue_order(schedule))
         for kind, s in order:
             if kind == "F":
@@ -163,7 +161,7 @@ class DualBatchExecutor:
                 self._recover(recovered, self.stage.blocks[n - 1 - s // 2], reload=s % 2 == 0)
         grad_in = self._end_backward(y)
         if self.provisioner:
-            point = Point(x, y, recovered, order, schedule.time_s, self._serial[key], hit, solve_s)
+            point = Point(x, y, recovered, order, schedule.time_s, schedule.serial_s, hit, solve_s)
             self.points.append(point)
             self.provisioner.record_point(x, point.to_json())
         return out, grad_in
@@ -175,33 +173,25 @@ class DualBatchExecutor:
         group = self.stage.adapter.expert_group
         if group is None or group.size == 1:
             return order
-        box = [order]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group.group, 0), group=group.group)
+        box, pg = [order], group.group or dist.group.WORLD
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
         return box[0]
 
-    def _schedule(self, x: int, y: int, recovered: int | None) -> tuple[Schedule, tuple | None, bool, float]:
-        """The point's order: the DP's (cached) with a Provisioner, else program order."""
+    def _schedule(self, x: int, y: int, recovered: int | None) -> tuple[Schedule, bool, float]:
+        """The point's schedule: the DP's, cached in the Provisioner (keyed by the four micro-batches'
+        plans, which the discretised budgets and the routing fix), else program order."""
         n = len(self.stage.blocks)
         if self.provisioner is None:
             windows = tuple(((k, k + 1), (k, k + 1), (k, k), (2 * k, 2 * k)) for k in range(n))
-            return Schedule(0.0, windows), None, False, 0.0
+            return Schedule(0.0, windows, 0.0), False, 0.0
         p = self.provisioner
         plans = tuple(p.plan_of(mb) if mb is not None and mb in self._flights else None for mb in (x, y, x - 1, recovered))
         event = p.event_of(x)
         key = (event.tokens, event.seq_len, *(tuple(sorted(plan.items())) if plan else () for plan in plans))
-        hits, start = self.cache.hits, time.perf_counter()
-        schedule = self.cache.get(key)
-        return schedule, key, self.cache.hits > hits, time.perf_counter() - start
-
-    def _stages(self, key) -> list:
-        """A point's piece stages from the cost model and the four micro-batches' plans (a miss)."""
-        tokens, seq_len, *plans = key
-        cm = self.provisioner.stage.cost
-        forward, backward, offload, recovery = ({op: s for op, s in plan} for plan in plans)
-        blocks = piece_stages(point_stages(cm, forward, backward, offload, recovery, tokens, seq_len=seq_len,
-                                           options=self.provisioner.stage.options))
-        self._serial[key] = sum(window_time([run]) for run in joined(blocks))
-        return blocks
+        cache, start = p.schedules, time.perf_counter()
+        hits = cache.hits
+        schedule = cache.get(key)
+        return schedule, cache.hits > hits, time.perf_counter() - start
 
     # --- pieces --------------------------------------------------------------------------------
     def _begin(self, mb: int, value: torch.Tensor, labels: torch.Tensor | None, **engine) -> None:
@@ -252,7 +242,10 @@ class DualBatchExecutor:
         if runtime is None:
             return
         with self._as(mb), self.around("B", mb):
-            (runtime.reload if reload else runtime.recompute)(mb, block)
+            if reload:
+                runtime.hooks.prefetch(mb, block)
+            else:
+                runtime.recover(mb, block)  # its copies are on their way: the regions replay
 
     @contextmanager
     def _as(self, mb: int) -> Iterator[None]:

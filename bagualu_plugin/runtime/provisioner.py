@@ -35,6 +35,7 @@ from ..costmodel.graph import EXPERT_OPS
 from ..costmodel.mitigation import footprint
 from ..costmodel.plan import Plan
 from ..planner import BudgetState, CachedPlanner, at_gate
+from ..planner.dual_batch import ScheduleCache, piece_stages, point_stages
 from ..stage import Stage
 from .ledger import Ledger
 from .plan_runtime import PlanRuntime
@@ -168,6 +169,7 @@ class Provisioner:
             strategies=recipe.strategies.allowed,
             options=stage.options,
         )
+        self.schedules = ScheduleCache(self._point_stages)  # fused points' orders (runtime.dual_batch)
         self.runtime = PlanRuntime(
             model,
             options=stage.options,
@@ -310,6 +312,14 @@ class Provisioner:
         """The plan micro-batch `mb` runs (its forward is running) or ran (it awaits its backward)."""
         self.event_of(mb)
         return self._plans.get(mb, self.runtime.plan)
+
+    def _point_stages(self, key: tuple) -> list:
+        """A fused scheduling point's piece stages from the stage's cost model (a cache miss):
+        `key` is the tokens, the sequence length and the plans (sorted items) of x, y, x-1, y+1."""
+        tokens, seq_len, *plans = key
+        forward, backward, offload, recovery = (dict(plan) for plan in plans)
+        blocks = point_stages(self.stage.cost, forward, backward, offload, recovery, tokens, seq_len=seq_len, options=self.stage.options)
+        return piece_stages(blocks)
 
     def record_point(self, mb: int, point: dict) -> None:
         """The fused scheduling point that began with micro-batch `mb`'s forward, for its event."""
