@@ -38,7 +38,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 _NANOTRON_MODEL_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
 
 
-def _config(checkpoint: Path, bagualu: dict, pp: int = 2, ep: int = 1, dp: int = 1, tp: int = 1) -> dict:
+def _config(checkpoint: Path, bagualu: dict, pp: int = 2, ep: int = 1, dp: int = 1, tp: int = 1, accumulation: int = M) -> dict:
     hf = tiny_model("qwen3_moe", **TINY).config
     model = {"init_method": {"path": str(checkpoint)}, "model_config": {name: getattr(hf, name) for name in _NANOTRON_MODEL_FIELDS}}
     optimizer = {
@@ -47,7 +47,7 @@ def _config(checkpoint: Path, bagualu: dict, pp: int = 2, ep: int = 1, dp: int =
         "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_style": "linear"},
     }
     return config_dict(
-        model, pp=pp, dp=dp, ep=ep, tp=tp, seq_len=SEQ, micro_batch_size=BATCH, accumulation=M, train_steps=STEPS,
+        model, pp=pp, dp=dp, ep=ep, tp=tp, seq_len=SEQ, micro_batch_size=BATCH, accumulation=accumulation, train_steps=STEPS,
         optimizer=optimizer, bagualu=bagualu,
     )
 
@@ -209,3 +209,25 @@ def test_a_bad_config_stops_the_launch_before_training_naming_the_field(checkpoi
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and not metrics.exists()
     assert "bagualu.hardware.capacity_bytes: pipeline rank 0" in done.stderr and "M0" in done.stderr
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["pp4", "pp4-ep2"])
+def test_dual_batch_is_bitwise_the_unfused_schedule(checkpoint, tmp_path, ep):
+    """`bagualu.dual_batch` over 4 pipeline ranks (x 2 expert-parallel ranks, with a spike): the
+    fused engine's losses equal the unfused engine's, every rank plans as it does unfused (plans
+    that recompute and offload), and rank 0's steady points ran fused, y+1 recovered ahead."""
+    m = 6
+    spike = {"enabled": True, "seed": 3, "spike_probability": 1.0, "normal_max_imbalance": 1.3, "spike_max_imbalance": 2.0,
+             "layers": [0], "micro_batches": [1, 4]}
+    spikes = {"spikes": spike} if ep > 1 else {}
+    sections = {"strategies": {"allowed": ["recompute", "offload"], "offload": {"min_bytes": 0}}, **spikes}
+    unfused = _launch(tmp_path, "unfused", _config(checkpoint, _bagualu(4, capacity=2.2, **sections), pp=4, ep=ep, accumulation=m))
+    fused = _launch(tmp_path, "fused", _config(checkpoint, _bagualu(4, capacity=2.2, dual_batch=True, **sections), pp=4, ep=ep,
+                                               accumulation=m))
+    assert [r["loss"] for r in fused["metrics"]] == [r["loss"] for r in unfused["metrics"]]
+    for rank in range(4 * ep):
+        assert [e["plan"] for e in fused["events"][rank]] == [e["plan"] for e in unfused["events"][rank]]
+    assert {s for e in unfused["events"][0] for s in e["plan"].values()} == {"recompute", "offload"}
+    points = [e["point"] for e in fused["events"][0] if e["point"]]
+    assert len(points) == STEPS * (m - 3) and all(p["recovered"] == p["backward"] + 1 for p in points)
+    assert any(p["cache_hit"] for p in points) and not any(e["point"] for e in unfused["events"][0])

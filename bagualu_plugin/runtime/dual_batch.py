@@ -51,8 +51,11 @@ class StagePieces:
     first rank, its decoder layers, the head (norm, LM head, loss) on the last. `blocks[k]` is
     piece k's block in the cost model (-1, a layer, `head_index`)."""
 
-    def __init__(self, model: nn.Module, pp: int = 1, rank: int = 0):
+    def __init__(self, model: nn.Module, pp: int = 1, rank: int = 0, loss_divisor: int = 1):
+        """`loss_divisor`: the head's loss is divided by it (nanotron divides each micro-batch's
+        loss by the micro-batch count before its backward)."""
         self.adapter = a = Adapter(model)
+        self.loss_divisor = loss_divisor
         self.layers = stage_layers(len(a.layers), pp, rank)
         self.first, self.last = rank == 0, rank == pp - 1
         self.blocks = [-1] * self.first + list(self.layers) + [a.head_index] * self.last
@@ -62,7 +65,8 @@ class StagePieces:
         if block == -1:
             return pieces.embed(a, value)
         if block == a.head_index:
-            return pieces.head(a, value, flight.labels)
+            loss = pieces.head(a, value, flight.labels)
+            return loss / self.loss_divisor if self.loss_divisor != 1 else loss
         if flight.shared is None:  # made by the stage's first layer, shared by the others
             flight.shared = pieces.layer_inputs(a, value, self.layers)
         return pieces.decoder_layer(a, block, value, flight.shared)

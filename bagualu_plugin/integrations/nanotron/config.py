@@ -32,6 +32,7 @@ import yaml
 
 from ...config import Recipe, RecipeError, load_recipe
 from ...planner import BudgetState
+from ...planner.dual_batch import check_pipeline
 from ...stage import Stage
 from ...units import fmt_bytes
 from .compat import import_nanotron
@@ -65,6 +66,7 @@ class BagualuArgs:
     `metrics_path`."""
 
     enabled: bool = False
+    dual_batch: bool = False  # the recipe's pipeline.dual_batch: fused steady points (§V-B)
     metrics_path: str | None = None
     recipe: str | None = None
     hardware: str | dict | None = None
@@ -123,6 +125,11 @@ def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
     else:
         raise RecipeError(_SOURCE, [("bagualu.recipe", "bagualu.enabled needs bagualu.recipe or an inline bagualu.hardware")])
     par, tokens = config.parallelism, config.tokens
+    if args.dual_batch:
+        try:
+            check_pipeline(par.pp)
+        except ValueError as exc:
+            raise RecipeError(_SOURCE, [("bagualu.dual_batch", str(exc))]) from None
     if tokens is None:
         raise RecipeError(_SOURCE, [("tokens", "required with a bagualu section (sequence length, micro-batches), but missing")])
     ep = getattr(par, "expert_parallel_size", 1)
@@ -152,7 +159,10 @@ def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
         raise RecipeError(source, problems)
     data = {
         **data,
-        "pipeline": {**data.get("pipeline", {}), "pp": par.pp, "rank": pp_rank, "micro_batches": tokens.batch_accumulation_per_replica},
+        "pipeline": {
+            **data.get("pipeline", {}), "pp": par.pp, "rank": pp_rank, "micro_batches": tokens.batch_accumulation_per_replica,
+            **({"dual_batch": True} if args.dual_batch else {}),
+        },
         "batch": {"seq_len": tokens.sequence_length, "micro_batch_size": tokens.micro_batch_size},
         "parallel": {**data.get("parallel", {}), "dp": par.dp * ep, "tp": par.tp, "ep": ep, "ep_rank": ep_rank},
     }

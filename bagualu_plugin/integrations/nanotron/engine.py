@@ -24,8 +24,13 @@ from .compat import import_pipeline
 
 import_pipeline()
 
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine  # noqa: E402
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
 
+from ...costmodel.pipeline import one_f_one_b  # noqa: E402
+from ...runtime.dual_batch import DualBatchExecutor, StagePieces  # noqa: E402
 from ...runtime.provisioner import Provisioner  # noqa: E402
 
 
@@ -55,3 +60,72 @@ class BagualuPipelineEngine(OneForwardOneBackwardPipelineEngine):
         mb = state.nb_backwards
         super().backward(context, state, grad_accumulator)
         self.provisioner.end_backward(mb)
+
+
+class DualBatchPipelineEngine(BagualuPipelineEngine):
+    """nanotron's 1F1B order with each steady F_x B_y fused (`runtime.dual_batch`, paper §V-B):
+    the stage runs as pieces through the executor, not through the `PipelineBlock`s, so its
+    activations and gradients cross ranks with nanotron's `P2P` here, once per scheduling point:
+    receive x's input and y's output gradient, run the point, send x's output and y's input
+    gradient (each rank's point i waits only on points i - 1 upstream and i downstream: no
+    cycle). Losses are divided by the micro-batch count, outputs are nanotron's (`{"loss"}` on
+    the last rank, a `TensorPointer` elsewhere), and the gradients accumulate as with
+    `BagualuPipelineEngine`, bit for bit. `on_forward()` runs before each forward (the launcher's
+    routing spikes)."""
+
+    def __init__(self, provisioner: Provisioner, tokens: int, seq_len: int, on_forward=None):
+        super().__init__(provisioner, tokens, seq_len)
+        self.on_forward = on_forward or (lambda: None)
+
+    def train_batch_iter(self, model, pg, batch, nb_microbatches, grad_accumulator):
+        if grad_accumulator is not None:
+            raise ValueError("DualBatchPipelineEngine accumulates gradients in the parameters: pass grad_accumulator=None")
+        pp, rank, p2p = pg.size(), dist.get_rank(pg), model.p2p
+        first, last = rank == 0, rank == pp - 1
+        executor = DualBatchExecutor(StagePieces(model.causal_lm, pp, rank, loss_divisor=nb_microbatches), self.provisioner)
+        batch, outputs, in_flight = list(batch), [], 0
+        schedule = one_f_one_b(pp, rank, nb_microbatches)
+
+        def received(mb: int) -> torch.Tensor:
+            if first:
+                return batch[mb]["input_ids"]
+            (hidden,) = p2p.recv_tensors(num_tensors=1, from_rank=rank - 1)
+            return hidden.requires_grad_()
+
+        def forwarded(mb: int, out: torch.Tensor) -> None:
+            outputs.append({"loss": out} if last else {"loss": TensorPointer(pp - 1)})
+            if not last:
+                p2p.send_tensors([out.detach()], to_rank=rank + 1)
+
+        def gradient() -> torch.Tensor | None:
+            return None if last else p2p.recv_tensors(num_tensors=1, from_rank=rank + 1)[0]
+
+        def backwarded(grad: torch.Tensor | None) -> None:
+            if not first:
+                p2p.send_tensors([grad], to_rank=rank - 1)
+
+        i = 0
+        while i < len(schedule):
+            step, following = schedule[i], schedule[i + 1] if i + 1 < len(schedule) else schedule[i]
+            engine = {"phase": step.phase, "in_flight": in_flight}
+            labels = lambda mb: batch[mb]["labels"] if last else None  # noqa: E731
+            if step.kind == "F" and following.kind == "B" and following.micro_batch != step.micro_batch:
+                x, y = step.micro_batch, following.micro_batch
+                value = received(x)
+                grad = gradient()
+                self.on_forward()
+                out, grad_in = executor.point(x, value, labels(x), y, grad, **engine)
+                forwarded(x, out)
+                backwarded(grad_in)
+                i += 2
+                continue
+            if step.kind == "F":
+                value = received(step.micro_batch)
+                self.on_forward()
+                forwarded(step.micro_batch, executor.forward(step.micro_batch, value, labels(step.micro_batch), **engine))
+                in_flight += 1
+            else:
+                backwarded(executor.backward(step.micro_batch, gradient()))
+                in_flight -= 1
+            i += 1
+        return outputs

@@ -99,6 +99,7 @@ class PipelineModel(nn.Module):
     def __init__(self, model: nn.Module, p2p: P2P):
         super().__init__()
         adapter = Adapter(model)
+        self.p2p, self._causal_lm = p2p, [model]  # in a list: the blocks hold its modules already
         pp, layers = p2p.pg.size(), len(adapter.layers)
         embed, head = adapter.decoder.embed_tokens.weight, adapter.model.lm_head.weight
         self.tied = embed is head  # tie_word_embeddings, known on every rank
@@ -115,6 +116,11 @@ class PipelineModel(nn.Module):
             block(_Decoder, {"hidden_states"}, {"hidden_states"}, r, layers=stage_layers(layers, pp, r)) for r in range(pp)
         )
         self.head = block(_Head, {"hidden_states", "labels"}, {"loss"}, pp - 1)
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The HF model the blocks run (`runtime.dual_batch.StagePieces` runs it piece by piece)."""
+        return self._causal_lm[0]
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """The parameters this rank shares with another pipeline rank (tied embeddings on the first

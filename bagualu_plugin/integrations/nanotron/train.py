@@ -8,7 +8,9 @@ What runs on a CPU, over gloo, and why:
 - nanotron's `ParallelContext` makes the groups (world = ep x pp x dp x tp, its layout); the one
   patch is `set_device`, a no-op without CUDA (`context.CPUParallelContext`);
 - nanotron's `P2P`, `PipelineBlock`, `TensorPointer` and `OneForwardOneBackwardPipelineEngine`
-  run unchanged (they take the device and the group they are given);
+  run unchanged (they take the device and the group they are given); with `bagualu.dual_batch`
+  the steady points run fused (`engine.DualBatchPipelineEngine`: the executor runs the stage's
+  pieces, nanotron's `P2P` moves activations and gradients);
 - nanotron's `DistributedTrainer` does not: its import needs flash_attn, it builds the model on
   CUDA and its FP32 gradient accumulator is CUDA-only. This module is the small loop in its place.
 
@@ -70,7 +72,7 @@ from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # 
 from .config import Config, recipe_for  # noqa: E402
 from .context import EXPERT_PARALLEL, expert_group, parallel_context, rank_matrix  # noqa: E402
 from .data import micro_batches  # noqa: E402
-from .engine import BagualuPipelineEngine  # noqa: E402
+from .engine import BagualuPipelineEngine, DualBatchPipelineEngine  # noqa: E402
 from .model import PipelineModel, stage_state  # noqa: E402
 
 _SOURCE = "nanotron config"
@@ -195,10 +197,10 @@ def _per_rank(recipe: Recipe, rank: int) -> Recipe:
     return recipe.model_copy(update={"telemetry": telemetry})
 
 
-def _install_spikes(spikes: Spikes, model: nn.Module, stages: PipelineModel, layers: range, ep: int, iterations: int, micro_batches: int):
+def _install_spikes(spikes: Spikes, model: nn.Module, layers: range, ep: int, iterations: int, micro_batches: int):
     """Skew every forward's routing in this stage's `layers` as the seeded schedule says (the same
-    on every rank); a forward pre-hook on the stages counts nanotron's forwards (one call per
-    micro-batch on every rank)."""
+    on every rank); returns what to call before each forward (once per micro-batch on every rank:
+    a forward pre-hook on nanotron's stages, or the fused engine's `on_forward`)."""
     adapter = Adapter(model)
     moe = [layer.index for layer in adapter.layers if layer.moe]
     local = [i for i in moe if i in layers]
@@ -211,7 +213,7 @@ def _install_spikes(spikes: Spikes, model: nn.Module, stages: PipelineModel, lay
         for layer, skew in skews.items():
             skew.fraction = skew_fraction(min(schedule[n // micro_batches][n % micro_batches][layer], ep), ep)
 
-    stages.register_forward_pre_hook(next_forward)
+    return next_forward
 
 
 def train(config: Config, device: torch.device, timeout: timedelta) -> None:
@@ -233,16 +235,24 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
     sync = _GradientSync(pc, model, stages, timeout)
     optimizer = _optimizer(config, [p for p in model.parameters() if not p.is_meta])
 
+    spikes, next_forward = _spikes(config), None
+    if spikes is not None and spikes.enabled:
+        next_forward = _install_spikes(spikes, model, stage_layers(len(Adapter(model).layers), par.pp, pp_rank), ep, tokens.train_steps, m)
     prov = None
     if config.bagualu is not None and config.bagualu.enabled:
         recipe = _per_rank(recipe_for(config, pp_rank, ep_rank), rank)
         prov = apply(model, recipe, model_cost(model, recipe.hardware).stage(par.pp, pp_rank))
-        engine, ledger = BagualuPipelineEngine(prov, tokens.micro_batch_size * tokens.sequence_length, tokens.sequence_length), prov.ledger
+        sizes = (tokens.micro_batch_size * tokens.sequence_length, tokens.sequence_length)
+        if recipe.pipeline.dual_batch:
+            engine = DualBatchPipelineEngine(prov, *sizes, on_forward=next_forward)
+            next_forward = None  # the engine calls it
+        else:
+            engine = BagualuPipelineEngine(prov, *sizes)
+        ledger = prov.ledger
     else:
         engine, ledger = par.pp_engine, Ledger.for_model(model)
-    spikes = _spikes(config)
-    if spikes is not None and spikes.enabled:
-        _install_spikes(spikes, model, stages, stage_layers(len(Adapter(model).layers), par.pp, pp_rank), ep, tokens.train_steps, m)
+    if next_forward is not None:
+        stages.register_forward_pre_hook(next_forward)
 
     batches = micro_batches(config, config.model.init_method.path, model.config.vocab_size, ep_rank * par.dp + dp_rank, sync.replicas)
     metrics = config.bagualu.metrics_path if config.bagualu is not None else None
