@@ -66,10 +66,10 @@ def _train(model, recipe: Recipe, fused: bool) -> dict:
 @pytest.mark.parametrize(
     ("family", "rank", "capacity", "allowed"),
     [
-        ("qwen3_moe", 0, 2.6, ["recompute", "offload"]),
+        ("qwen3_moe", 0, 2.6, ["recompute"]),
         ("deepseek_v3", 0, 2.0, ["recompute"]),
-        ("glm4_moe", 0, 3.2, ["offload", "recompute"]),
-        ("qwen3_moe", 1, 2.4, ["recompute", "offload"]),
+        ("glm4_moe", 0, 2.8, ["offload"]),
+        ("qwen3_moe", 1, 2.4, ["recompute"]),
     ],
     ids=["qwen3-rank0", "deepseek-rank0", "glm4-rank0", "qwen3-rank1"],
 )
@@ -83,7 +83,7 @@ def test_fused_points_equal_the_unfused_schedule_bitwise(family, rank, capacity,
     assert fused["grads"].keys() == plain["grads"].keys()
     assert all(torch.equal(fused["grads"][n], g) for n, g in plain["grads"].items())
     assert fused["plans"] == plain["plans"] and fused["kept"] == plain["kept"]
-    assert any(set(plan.values()) & set(allowed) for plan in plain["plans"])  # the plans mitigate
+    assert {s for plan in plain["plans"] for s in plan.values()} == set(allowed)  # the plans mitigate
     # every replay ran once; on rank 0 (x - y = 3) y+1's ran ahead of its backward
     assert sum(fused["calls"].values()) == sum(plain["calls"].values())
     assert (fused["calls"]["in backward"] < plain["calls"]["in backward"]) == (rank == 0 and "recompute" in allowed)

@@ -211,23 +211,28 @@ def test_a_bad_config_stops_the_launch_before_training_naming_the_field(checkpoi
     assert "bagualu.hardware.capacity_bytes: pipeline rank 0" in done.stderr and "M0" in done.stderr
 
 
-@pytest.mark.parametrize("ep", [1, 2], ids=["pp4", "pp4-ep2"])
-def test_dual_batch_is_bitwise_the_unfused_schedule(checkpoint, tmp_path, ep):
-    """`bagualu.dual_batch` over 4 pipeline ranks (x 2 expert-parallel ranks, with a spike): the
-    fused engine's losses equal the unfused engine's, every rank plans as it does unfused (plans
-    that recompute and offload), and rank 0's steady points ran fused, y+1 recovered ahead."""
+@pytest.mark.parametrize(
+    ("ep", "allowed", "capacity"), [(1, ["offload"], 3.4), (2, ["recompute"], 2.2)], ids=["pp4-offload", "pp4-ep2-recompute"]
+)
+def test_dual_batch_is_bitwise_the_unfused_schedule(checkpoint, tmp_path, ep, allowed, capacity):
+    """`bagualu.dual_batch` over 4 pipeline ranks (x 2 expert-parallel ranks, with spikes): the
+    fused engine's losses equal the unfused engine's, every rank plans as it does unfused (the
+    first rank offloads in one case, recomputes in the other), and rank 0's steady points ran
+    fused, y+1 recovered ahead."""
     m = 6
     spike = {"enabled": True, "seed": 3, "spike_probability": 1.0, "normal_max_imbalance": 1.3, "spike_max_imbalance": 2.0,
              "layers": [0], "micro_batches": [1, 4]}
-    spikes = {"spikes": spike} if ep > 1 else {}
-    sections = {"strategies": {"allowed": ["recompute", "offload"], "offload": {"min_bytes": 0}}, **spikes}
-    unfused = _launch(tmp_path, "unfused", _config(checkpoint, _bagualu(4, capacity=2.2, **sections), pp=4, ep=ep, accumulation=m))
-    fused = _launch(tmp_path, "fused", _config(checkpoint, _bagualu(4, capacity=2.2, dual_batch=True, **sections), pp=4, ep=ep,
-                                               accumulation=m))
+    sections = {"strategies": {"allowed": allowed, "offload": {"min_bytes": 0}}, **({"spikes": spike} if ep > 1 else {})}
+    runs = {
+        fused: _launch(tmp_path, f"fused-{fused}", _config(checkpoint, _bagualu(4, capacity=capacity, dual_batch=fused, **sections),
+                                                          pp=4, ep=ep, accumulation=m))
+        for fused in (False, True)
+    }
+    unfused, fused = runs[False], runs[True]
     assert [r["loss"] for r in fused["metrics"]] == [r["loss"] for r in unfused["metrics"]]
     for rank in range(4 * ep):
         assert [e["plan"] for e in fused["events"][rank]] == [e["plan"] for e in unfused["events"][rank]]
-    assert {s for e in unfused["events"][0] for s in e["plan"].values()} == {"recompute", "offload"}
+    assert {s for e in unfused["events"][0] for s in e["plan"].values()} == set(allowed)
     points = [e["point"] for e in fused["events"][0] if e["point"]]
     assert len(points) == STEPS * (m - 3) and all(p["recovered"] == p["backward"] + 1 for p in points)
     assert any(p["cache_hit"] for p in points) and not any(e["point"] for e in unfused["events"][0])

@@ -151,18 +151,24 @@ class DualBatchExecutor:
             raise ValueError(f"point({x}, {y}): micro-batch {y} has no forward awaiting its backward")
         self._begin(x, value, labels, **engine)
         recovered = y + 1 if y + 1 < x - 1 and y + 1 in self._flights else None
-        n = len(self.stage.blocks)
         schedule, hit, solve_s = self._schedule(x, y, recovered)
-        out, order = None, self._agreed(_issue_order(schedule))
+        # the schedule's stages are the cost model's blocks (a later pipeline stage's block -1, the
+        # RoPE tables it makes, runs inside its first layer's piece); pieces are the stage's
+        blocks = list(self.provisioner.stage.cost.blocks) if self.provisioner else self.stage.blocks
+        piece = {block: k for k, block in enumerate(self.stage.blocks)}
+        last, out, order = len(self.stage.blocks) - 1, None, self._agreed(_issue_order(schedule))
         for kind, s in order:
-            if kind == "F":
-                self._forward_piece(x, s)
-                if s == n - 1:
+            block = blocks[s] if kind in "FO" else blocks[len(blocks) - 1 - (s // 2 if kind == "R" else s)]
+            if kind == "F" and block in piece:
+                self._forward_piece(x, piece[block])
+                if piece[block] == last:
                     out = self._end_forward(x)
-            elif kind == "B":
-                self._backward_piece(y, n - 1 - s, grad)
+            elif kind == "B" and block in piece:
+                self._backward_piece(y, piece[block], grad)
             elif kind == "R" and recovered is not None:
-                self._recover(recovered, self.stage.blocks[n - 1 - s // 2], reload=s % 2 == 0)
+                self._recover(recovered, block, reload=s % 2 == 0)
+        if out is None or y in self._flights and any(o is not None for o in self._flights[y].outputs):
+            raise RuntimeError(f"point({x}, {y}): the schedule's blocks {blocks} do not cover the stage's pieces {self.stage.blocks}")
         grad_in = self._end_backward(y)
         if self.provisioner:
             point = Point(x, y, recovered, order, schedule.time_s, schedule.serial_s, hit, solve_s)
