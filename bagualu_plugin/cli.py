@@ -66,6 +66,14 @@ def _parser() -> argparse.ArgumentParser:
     pr.add_argument("--attention", choices=("sdpa", "eager"), default=None, help="default: the model's own")
     pr.add_argument("--repeats", type=int, default=3, help="timing repeats per run (median)")
 
+    sm = sub.add_parser(
+        "simulate", help="simulated cluster run of a Table II preset: BaGuaLu-2 against static baselines on one spike trace (§VI)"
+    )
+    sm.add_argument("recipe", metavar="PRESET", help="a built-in cluster preset (e.g. glm-423b-a30b) or a recipe file")
+    sm.add_argument("--iterations", type=_positive("--iterations"), default=100, help="iterations per system (default 100)")
+    sm.add_argument("--seed", type=int, default=None, help="spike trace seed (default: the recipe's spikes.seed)")
+    sm.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+
     t = sub.add_parser("tiny-checkpoint", help="write a tiny random-init MoE checkpoint and a character-level tokenizer (offline)")
     t.add_argument("family", choices=sorted(FAMILIES), metavar="FAMILY", help=f"one of {', '.join(sorted(FAMILIES))}")
     t.add_argument("directory", metavar="DIR", help="where to save_pretrained the model and the tokenizer")
@@ -115,10 +123,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         if args.command == "tiny-checkpoint":
             return _tiny_checkpoint(args)
+        if args.command == "simulate":
+            return _simulate(args)
         return _curve(args)
     except RecipeError as exc:
         print(exc, file=sys.stderr)
         return 2
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .sim import simulate
+
+    if args.seed is not None and args.seed < 0:
+        raise SystemExit(f"bagualu simulate: --seed must be >= 0, got {args.seed}")
+    recipe = load_recipe(args.recipe)
+    try:
+        result = simulate(recipe, args.iterations, args.seed, preset=args.recipe)
+    except ValueError as exc:
+        raise SystemExit(f"bagualu simulate: {exc}") from None
+    rows = [
+        [o.system, f"{100 * o.mfu:.1f}%", f"{o.tokens_per_s:,.0f}", o.ooms, f"{o.speedup_vs_best_baseline:.3f}x", f"{o.iteration_s:.2f} s"]
+        for o in result.outcomes
+    ]
+    print(f"SIMULATED: {args.recipe}, {recipe.gpus} devices of {recipe.hardware.name}, {args.iterations} iterations, "
+          f"spike seed {result.seed} (cost model times, not measurements)")
+    print(table(["system", "MFU", "tokens/s", "OOMs", "vs best baseline", "iteration"], rows))
+    if args.json:
+        result.save(args.json)
+        print(f"wrote {args.json}")
+    return 0
 
 
 def _validate(paths: Sequence[str]) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 from bagualu_plugin.families import FAMILIES
 
 PACKAGE = Path(__file__).resolve().parents[1] / "bagualu_plugin"
-PURE = ("costmodel", "planner")
+PURE = ("costmodel", "planner", "sim")
 
 # Imports every module of the pure packages with torch and transformers unimportable. The package
 # itself is stood in for by an empty module, so that bagualu_plugin/__init__.py (the public API,
@@ -34,10 +34,11 @@ def _import_pure(path: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
-def test_costmodel_and_planner_import_without_torch():
+def test_costmodel_planner_and_sim_import_without_torch():
     done = _import_pure(PACKAGE)
     assert done.returncode == 0, done.stderr
-    assert "bagualu_plugin.costmodel.model" in done.stdout and "bagualu_plugin.planner.greedy" in done.stdout
+    for module in ("costmodel.model", "planner.greedy", "sim.run", "sim.systems"):
+        assert f"bagualu_plugin.{module}" in done.stdout
 
 
 def test_the_purity_check_catches_a_torch_import(tmp_path):

@@ -224,6 +224,20 @@ def point_stages(
     ]
 
 
+def executor_stages(cm: CostModel, options: MitigationOptions = MitigationOptions()) -> Callable[[Hashable], list]:
+    """`ScheduleCache`'s stages function for points as the executor runs them (`piece_stages`):
+    a key is (tokens, seq_len, then the sorted plan items of x, y, x-1 and y+1, empty for a
+    micro-batch the point does not touch), routing balanced. The Provisioner's cache and the
+    simulator's (`sim`) both use it."""
+
+    def stages(key: Hashable) -> list:
+        tokens, seq_len, *plans = key
+        forward, backward, offload, recovery = (dict(plan) for plan in plans)
+        return piece_stages(point_stages(cm, forward, backward, offload, recovery, tokens, seq_len=seq_len, options=options))
+
+    return stages
+
+
 def solve_blocks(blocks: Sequence[Stages]) -> Schedule:
     """A scheduling point solved one block at a time (`point_stages`' elements) and joined: the
     windows never cross a block boundary, which keeps each DP at a few stages per class."""

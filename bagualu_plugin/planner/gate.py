@@ -5,14 +5,19 @@ slack left under the budget, nothing changes. In warmup the later warmup micro-b
 bytes up (their budgets shrink after this forward, each keeping M0): that headroom absorbs the
 overrun before anything is recomputed. Otherwise the layer's routed experts are recomputed as one
 unit, which keeps nothing per routed pair in one process (under expert parallelism it holds the
-rows dispatch received, so the caller prices it at the pairs that arrived). Pure arithmetic:
-numbers in, a decision out.
+rows dispatch received, so the caller prices it at the pairs that arrived: `gate_costs`). Pure
+arithmetic: numbers in, a decision out; the Provisioner and the simulator (`sim`) both call it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
+
+from ..costmodel.graph import EXPERT_OPS, OpId
+from ..costmodel.mitigation import MitigationOptions, footprint
+from ..costmodel.model import CostModel
+from ..costmodel.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -36,3 +41,46 @@ def at_gate(
     if overrun <= headroom:
         return GateDecision("defer", overrun, 0.0, headroom - overrun)
     return GateDecision("escalate", overrun, slack - escalation_bytes, headroom)
+
+
+class LayerCost(NamedTuple):
+    """What the gate of one MoE layer weighs, under a micro-batch's plan at its planned pairs."""
+
+    per_pair: float  # device bytes each local routed pair beyond the planned ones adds
+    escalation: float  # bytes recomputing the layer's experts changes, from the plan at planned pairs
+    escalated_per_pair: float  # what each local pair adds once they recompute (under EP: the held rows)
+
+    def escalation_bytes(self, pairs: float, planned: float) -> float:
+        """`at_gate`'s `escalation_bytes` when `pairs` arrive at a layer planned for `planned`."""
+        return self.escalation + (pairs - planned) * self.escalated_per_pair
+
+
+def escalated(plan: Plan, layer: int) -> Plan:
+    """`plan` with `layer`'s routed experts recomputed as one unit: the gate's escalation."""
+    return Plan({**plan, **{OpId(layer, n): "recompute" for n in EXPERT_OPS}})
+
+
+def gate_costs(
+    cm: CostModel, plan: Plan, tokens: int, seq_len: int | None, planned: float, options: MitigationOptions = MitigationOptions()
+) -> dict[int, LayerCost]:
+    """Per MoE layer of `cm` under `plan` at `planned` local pairs: the bytes of each extra local
+    routed pair, what recomputing its experts changes, and the bytes per pair then (none in one
+    process; under expert parallelism the region holds the dispatched rows). Finite differences
+    over `step` pairs of the cost model's (linear) saved bytes."""
+    step = 1024
+
+    def kept(layer: int, plan: Plan, routed: float) -> float:
+        load = cm.loads(tokens, routed, seq_len)[layer]
+        names = {op.name: s for op, s in plan.items() if op.layer == layer}
+        return footprint(cm.blocks[layer], names, load, cm.hardware, options).device_bytes
+
+    costs = {}
+    for layer in cm.moe_layers:
+        base, up = kept(layer, plan, planned), escalated(plan, layer)
+        recomputed = kept(layer, up, planned)
+        costs[layer] = LayerCost(
+            (kept(layer, plan, planned + step) - base) / step,
+            recomputed - base,
+            (kept(layer, up, planned + step) - recomputed) / step,
+        )
+    return costs

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -30,12 +29,10 @@ from ..adapters import Adapter
 from ..adapters.costs import model_cost
 from ..adapters.gate import GateMonitor
 from ..config import Recipe
-from ..costmodel import CostModel, OpId
-from ..costmodel.graph import EXPERT_OPS
-from ..costmodel.mitigation import footprint
+from ..costmodel import CostModel
 from ..costmodel.plan import Plan
-from ..planner import BudgetState, CachedPlanner, at_gate
-from ..planner.dual_batch import ScheduleCache, piece_stages, point_stages
+from ..planner import BudgetState, CachedPlanner, LayerCost, at_gate, escalated, gate_costs
+from ..planner.dual_batch import ScheduleCache, executor_stages
 from ..stage import Stage
 from .ledger import Ledger
 from .plan_runtime import PlanRuntime
@@ -88,17 +85,6 @@ class Event:
         return json.dumps(asdict(self))
 
 
-def _escalated(plan: Plan, layer: int) -> Plan:
-    """`plan` with `layer`'s routed experts recomputed as one unit: the gate's escalation."""
-    return Plan({**plan, **{OpId(layer, n): "recompute" for n in EXPERT_OPS}})
-
-
-class _LayerCost(NamedTuple):
-    per_pair: float  # device bytes each local routed pair beyond the planned ones adds
-    escalation: float  # bytes recomputing the layer's experts changes, from the plan at planned pairs
-    escalated_per_pair: float  # what each local pair adds once they recompute (under EP: the held rows)
-
-
 @dataclass
 class _Forward:
     """The micro-batch whose forward is running: made by `begin_forward`, closed by `end_forward`
@@ -106,7 +92,7 @@ class _Forward:
 
     event: Event
     planned: float  # local routed pairs per MoE layer the plan was made for
-    costs: dict[int, _LayerCost]
+    costs: dict[int, LayerCost]
     slack: float  # bytes it may still add under its budget
     headroom: float  # bytes later warmup micro-batches can still give up
     hooks: ExitStack  # the plan's hooks and the gate monitor, entered
@@ -169,7 +155,7 @@ class Provisioner:
             strategies=recipe.strategies.allowed,
             options=stage.options,
         )
-        self.schedules = ScheduleCache(self._point_stages)  # fused points' orders (runtime.dual_batch)
+        self.schedules = ScheduleCache(executor_stages(stage.cost, stage.options))  # fused points' orders (runtime.dual_batch)
         self.runtime = PlanRuntime(
             model,
             options=stage.options,
@@ -185,7 +171,7 @@ class Provisioner:
         self._awaiting_backward: dict[int, Event] = {}
         self._plans: dict[int, Plan] = {}  # the plan each awaiting micro-batch ran, escalations included
         self._forward: _Forward | None = None
-        self._layer_costs: dict[tuple, dict[int, _LayerCost]] = {}
+        self._layer_costs: dict[tuple, dict[int, LayerCost]] = {}
         self._accumulated = 0  # micro_batch(): micro-batches of the current optimizer step so far
         setattr(adapter.model, INSTALLED_ATTR, self)
 
@@ -228,7 +214,7 @@ class Provisioner:
         self.runtime.set_plan(decision.plan)
         key = (tuple(sorted(decision.plan.items())), tokens, seq_len)
         if key not in self._layer_costs:  # as few as the planner's cached decisions
-            self._layer_costs[key] = self._gate_costs(decision.plan, tokens, seq_len, planned)
+            self._layer_costs[key] = gate_costs(self.stage.cost, decision.plan, tokens, seq_len, planned, self.stage.options)
         plan = {str(op): s for op, s in sorted(decision.plan.items())}
         event = Event(mb, scheduled, budget, decision.activation_bytes, plan, [], [], tokens, seq_len, decision.reload_bytes)
         self.ledger.micro_batch = mb
@@ -241,29 +227,6 @@ class Provisioner:
         )
         event.planner_s = time.perf_counter() - start
 
-    def _gate_costs(self, plan: Plan, tokens: int, seq_len: int, planned: float) -> dict[int, _LayerCost]:
-        """Per MoE layer under `plan`: the bytes of each extra local routed pair, what recomputing
-        its experts changes, and the bytes per pair then (none in one process; under expert
-        parallelism the region holds the dispatched rows)."""
-        step = 1024
-
-        def kept(layer: int, plan: Plan, routed: float) -> float:
-            cm = self.stage.cost
-            load = cm.loads(tokens, routed, seq_len)[layer]
-            names = {op.name: s for op, s in plan.items() if op.layer == layer}
-            return footprint(cm.blocks[layer], names, load, cm.hardware, self.stage.options).device_bytes
-
-        costs = {}
-        for layer in self.stage.cost.moe_layers:
-            base, escalated = kept(layer, plan, planned), _escalated(plan, layer)
-            recomputed = kept(layer, escalated, planned)
-            costs[layer] = _LayerCost(
-                (kept(layer, plan, planned + step) - base) / step,
-                recomputed - base,
-                (kept(layer, escalated, planned + step) - recomputed) / step,
-            )
-        return costs
-
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
         """Deferred planning: the experts of `layer` have not run yet (`planner.at_gate`)."""
         f = self._forward
@@ -271,13 +234,12 @@ class Provisioner:
             return
         pairs = int(local_pairs)  # one host sync per MoE layer
         cost = f.costs[layer]
-        escalation = cost.escalation + (pairs - f.planned) * cost.escalated_per_pair
-        decision = at_gate(pairs, f.planned, cost.per_pair, escalation, f.slack, f.headroom)
+        decision = at_gate(pairs, f.planned, cost.per_pair, cost.escalation_bytes(pairs, f.planned), f.slack, f.headroom)
         f.slack, f.headroom = decision.slack, decision.headroom
         if decision.action == "defer":
             f.event.deferred.append(Deferral(layer, pairs, decision.overrun))
         elif decision.action == "escalate":
-            self.runtime.set_plan(_escalated(self.runtime.plan, layer))
+            self.runtime.set_plan(escalated(self.runtime.plan, layer))
             f.event.escalations.append(Escalation(layer, pairs, decision.overrun, decision.slack))
 
     def end_forward(self, mb: int) -> int:
@@ -312,14 +274,6 @@ class Provisioner:
         """The plan micro-batch `mb` runs (its forward is running) or ran (it awaits its backward)."""
         self.event_of(mb)
         return self._plans.get(mb, self.runtime.plan)
-
-    def _point_stages(self, key: tuple) -> list:
-        """A fused scheduling point's piece stages from the stage's cost model (a cache miss):
-        `key` is the tokens, the sequence length and the plans (sorted items) of x, y, x-1, y+1."""
-        tokens, seq_len, *plans = key
-        forward, backward, offload, recovery = (dict(plan) for plan in plans)
-        blocks = point_stages(self.stage.cost, forward, backward, offload, recovery, tokens, seq_len=seq_len, options=self.stage.options)
-        return piece_stages(blocks)
 
     def record_point(self, mb: int, point: dict) -> None:
         """The fused scheduling point that began with micro-batch `mb`'s forward, for its event."""

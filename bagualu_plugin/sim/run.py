@@ -1,0 +1,121 @@
+"""`bagualu simulate`: every system of `systems` on the same seeded routing trace, on every pipeline
+rank of a recipe (a Table II preset), iteration by iteration (paper §VI-B, §VI-C). Everything it
+reports is simulated: the cost model's times on the preset's hardware, not measurements.
+
+An iteration crashes when any rank's peak, its static bytes plus what the micro-batches in flight
+hold at the end of a forward under 1F1B (`costmodel.iteration_curve`), exceeds its capacity. A
+crash costs a cold restart of `spikes.restart_iterations` of the system's mean iterations (284 s
+~ 16 iterations, §II-B); the system may then change its plan (`System.after_crash`) and the
+iteration runs again; if nothing would change, its tokens are lost. Throughput counts every
+second, restarts included, as §VI-A does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..config import Recipe
+from ..costmodel import MicroBatchCost, iteration_curve
+from ..costmodel.dims import ModelDims, param_count
+from .costs import MicroBatch
+from .pipeline import iteration_time, p2p_seconds
+from .systems import Rank, System, systems
+from .trace import Trace, routing_trace
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One system's simulated run."""
+
+    system: str
+    mfu: float  # fraction of peak, `mfu`
+    tokens_per_s: float
+    ooms: int
+    speedup_vs_best_baseline: float  # tokens/s over the fastest system other than bagualu
+    iteration_s: float  # mean of the iterations that ran through
+    lost_iterations: int  # crashed with no plan left to change: their tokens are not counted
+
+
+@dataclass(frozen=True)
+class Simulation:
+    preset: str
+    iterations: int
+    seed: int
+    outcomes: list[Outcome]
+
+    def to_json(self) -> dict:
+        return {"preset": self.preset, "simulated": True, "iterations": self.iterations, "seed": self.seed,
+                "systems": [asdict(o) for o in self.outcomes]}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def model_flops_per_token(dims: ModelDims, seq_len: int) -> float:
+    """Model FLOPs of one trained token (forward and backward), as MFU counts them (PaLM,
+    appendix B; Megatron-LM): 6 per active parameter that multiplies it (every parameter a token
+    routes through, the input embedding excluded, the LM head included), plus the attention
+    matmuls, 12 x layers x heads x head dim x sequence length (QK^T and the context, forward
+    and backward, the causal mask not discounted). Recompute and mitigation are not model FLOPs."""
+    active = param_count(dims, active=True) - dims.vocab_size * dims.hidden_size
+    return 6 * active + 12 * dims.num_layers * dims.num_attention_heads * dims.head_dim * seq_len
+
+
+def mfu(recipe: Recipe, tokens_per_s: float) -> float:
+    """Model FLOP/s over the cluster's peak: model_flops_per_token x tokens/s / (devices x peak FLOP/s)."""
+    flops = model_flops_per_token(recipe.model, recipe.batch.seq_len) * tokens_per_s
+    return flops / (recipe.gpus * recipe.hardware.peak_flops)
+
+
+def fits(ranks: list[Rank], micro_batches: list[list[MicroBatch]]) -> bool:
+    """Whether every rank's 1F1B peak stays within its capacity."""
+    pp = len(ranks)
+    for r, (rank, mbs) in enumerate(zip(ranks, micro_batches)):
+        costs = [MicroBatchCost(mb.forward_s, mb.backward_s, mb.held_bytes) for mb in mbs]
+        if iteration_curve(costs, pp, r, rank.stage.static_bytes).peak_bytes > rank.stage.capacity:
+            return False
+    return True
+
+
+def _run(system: System, ranks: list[Rank], trace: Trace, p2p_s: float) -> tuple[list[float], int, int]:
+    """The system's iteration times that ran through, its crashes and its lost iterations."""
+    times, crashes, lost = [], 0, 0
+    for it in range(trace.iterations):
+        while True:
+            mbs = system.iteration(it)
+            if fits(ranks, mbs):
+                times.append(iteration_time([[m.forward_s for m in r] for r in mbs], [[m.backward_s for m in r] for r in mbs], p2p_s))
+                break
+            crashes += 1
+            if not system.after_crash(trace.peak(it)):
+                lost += 1
+                break
+    return times, crashes, lost
+
+
+def simulate(recipe: Recipe, iterations: int = 100, seed: int | None = None, preset: str = "") -> Simulation:
+    """Every system of `systems.SYSTEMS` over `iterations` of the recipe's seeded spike trace."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    trace = routing_trace(recipe, iterations, seed)
+    every = systems(recipe, trace)
+    ranks = every[0].ranks
+    p2p_s = p2p_seconds(recipe)
+    tokens = recipe.parallel.dp * recipe.pipeline.micro_batches * recipe.batch.tokens  # per iteration, all replicas
+    restart = recipe.spikes.restart_iterations
+    rows = []
+    for system in every:
+        times, crashes, lost = _run(system, ranks, trace, p2p_s)
+        mean = sum(times) / len(times) if times else float("inf")
+        elapsed = sum(times) + crashes * restart * mean
+        rate = len(times) * tokens / elapsed if times else 0.0
+        rows.append((system.name, rate, crashes, mean, lost))
+    best = max(rate for name, rate, *_ in rows if name != "bagualu")
+    outcomes = [
+        Outcome(name, mfu(recipe, rate), rate, crashes, rate / best if best else float("inf"), mean, lost)
+        for name, rate, crashes, mean, lost in rows
+    ]
+    seed = recipe.spikes.seed if seed is None else seed
+    return Simulation(preset, iterations, seed, outcomes)

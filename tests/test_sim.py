@@ -1,0 +1,130 @@
+"""`bagualu_plugin.sim`: the pipeline DES against hand-worked timings, memory safety of BaGuaLu-2
+and of full recompute under spikes, the static baseline's crash, the cost memo against the cost
+model, the JSON document and the `bagualu simulate` command."""
+
+import json
+import time
+
+import pytest
+
+from bagualu_plugin.cli import main
+from bagualu_plugin.config import builtin_recipes, load_recipe
+from bagualu_plugin.sim import SYSTEMS, iteration_time, routing_trace, simulate
+from bagualu_plugin.sim.run import fits
+from bagualu_plugin.sim.systems import BaGuaLu, Static, ranks
+from bagualu_plugin.sim.trace import Trace
+
+PRESETS = sorted(n for n in builtin_recipes() if n.startswith("glm-"))
+
+
+def test_des_two_stages_by_hand():
+    """pp=2, 2 micro-batches. Rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1; P2P 0.5 s.
+    r0 F0 [0,1], F1 [1,2]; r1 F0 [1.5,3.5], B0 [3.5,7.5], F1 [max(7.5, 2.5), 9.5], B1 [9.5,13.5];
+    r0 B0 [7.5+0.5, 11], B1 [13.5+0.5, 17]."""
+    forward, backward = [[1.0, 1.0], [2.0, 2.0]], [[3.0, 3.0], [4.0, 4.0]]
+    assert iteration_time(forward, backward, 0.5) == 17.0
+    # one slow forward on rank 0 delays rank 1's F1 past its B0: r0 F1 [1,11], r1 F1 [11.5,13.5], B1 [13.5,17.5], r0 B1 [18,21]
+    assert iteration_time([[1.0, 10.0], [2.0, 2.0]], backward, 0.5) == 21.0
+    assert iteration_time([[1.0]], [[2.0]], 9.0) == 3.0  # one rank: no P2P
+
+
+def _spiky(name: str, probability: float = 1.0):
+    recipe = load_recipe(name)
+    return recipe.model_copy(update={"spikes": recipe.spikes.model_copy(update={"spike_probability": probability})})
+
+
+def _forced(recipe, spiked: float, mb: int = 0) -> Trace:
+    """One iteration, everything at the top of the normal band (1.2x) except micro-batch `mb`,
+    which routes `spiked` x on every layer."""
+    layers = tuple(range(recipe.model.first_k_dense, recipe.model.num_layers))
+    normal = recipe.spikes.normal_max_imbalance
+    rows = tuple((spiked if i == mb else normal,) * len(layers) for i in range(recipe.pipeline.micro_batches))
+    return Trace(layers, (rows,))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_bagualu_never_exceeds_capacity_under_spikes(name):
+    recipe = _spiky(name)
+    trace = routing_trace(recipe, 4, seed=3)
+    assert all(trace.peak(it) > recipe.spikes.normal_max_imbalance for it in range(trace.iterations))
+    rs = ranks(recipe, trace)
+    system = BaGuaLu(rs, trace)
+    for it in range(trace.iterations):
+        assert fits(rs, system.iteration(it)), f"{name}: iteration {it} over capacity"
+    forced = _forced(recipe, 2.6, mb=0)  # the first micro-batch stacks under every warmup
+    assert fits(ranks(recipe, forced), BaGuaLu(ranks(recipe, forced), forced).iteration(0))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_full_recompute_never_ooms(name):
+    recipe = load_recipe(name)
+    trace = _forced(recipe, 2.6)
+    rs = ranks(recipe, trace)
+    assert fits(rs, Static("full_recompute", rs, trace, None, None).iteration(0))
+
+
+def test_static_under_crashes_on_a_spike_then_runs_full_recompute():
+    recipe = load_recipe("glm-423b-a30b")
+    trace = _forced(recipe, 2.6)
+    rs = ranks(recipe, trace)
+    under = Static("static_under", rs, trace, recipe.strategies.allowed, "full_recompute")
+    assert fits(rs, under.iteration(0)) is False
+    assert under.after_crash(trace.peak(0)) is True
+    assert fits(rs, under.iteration(0))
+    assert all(c.plan == rs[i].stage.cost.full_recompute() for i, c in enumerate(under.plans))
+    assert under.after_crash(2.6) is False  # nothing left to change
+    normal = _forced(recipe, recipe.spikes.normal_max_imbalance)
+    assert fits(rs, Static("static_under", rs, normal, recipe.strategies.allowed, "full_recompute").iteration(0))
+
+
+def test_static_under_ooms_in_a_run_of_spikes():
+    result = simulate(_spiky("glm-423b-a30b"), iterations=3)
+    by = {o.system: o for o in result.outcomes}
+    assert by["static_under"].ooms >= 1 and by["bagualu"].ooms == 0 and by["full_recompute"].ooms == 0
+
+
+def test_memoised_costs_are_the_cost_models():
+    recipe = load_recipe("glm-423b-a30b")
+    trace = _forced(recipe, 2.6)
+    for rank in ranks(recipe, trace)[::7]:  # the first stage (embedding) and the last (head)
+        cm, s = rank.stage.cost, rank.stage
+        mixed = {op: "offload" if op.name == "expert_fc1" else "fp8" for op in cm.ops() if op.name in ("expert_fc1", "attn_out")}
+        plans = [cm.full_recompute(), {}, mixed]
+        for plan in plans:
+            imbalance = tuple(1.0 + 0.25 * k for k in range(len(cm.moe_layers)))
+            got = rank.costs.under(plan).at(imbalance)
+            routed = [rank.costs.balanced * x for x in imbalance]
+            want = cm.micro_batch(s.tokens, routed, recipe.batch.seq_len, plan, s.options)
+            fp = cm.footprint(s.tokens, routed, recipe.batch.seq_len, plan, s.options)
+            assert got.forward_s == pytest.approx(want.forward_s, rel=1e-12)
+            assert got.backward_s == pytest.approx(want.backward_s, rel=1e-12)
+            assert got.device_bytes == pytest.approx(want.activation_bytes, rel=1e-12)
+            assert got.reload_bytes == pytest.approx(fp.reload_bytes, rel=1e-12)
+        assert any(rank.costs.under(p).at(imbalance).reload_bytes > 0 for p in plans)
+
+
+def test_json_document(tmp_path):
+    result = simulate(load_recipe("glm-188b-a20b"), iterations=4, seed=1, preset="glm-188b-a20b")
+    path = tmp_path / "sim.json"
+    result.save(path)
+    doc = json.loads(path.read_text())
+    assert doc["preset"] == "glm-188b-a20b" and doc["simulated"] is True and doc["seed"] == 1
+    assert [s["system"] for s in doc["systems"]] == list(SYSTEMS)
+    for s in doc["systems"]:
+        assert {"system", "mfu", "tokens_per_s", "ooms", "speedup_vs_best_baseline"} <= s.keys()
+        assert 0 < s["mfu"] < 1 and s["tokens_per_s"] > 0 and isinstance(s["ooms"], int)
+    baselines = [s["speedup_vs_best_baseline"] for s in doc["systems"] if s["system"] != "bagualu"]
+    assert max(baselines) == 1.0
+    rates = {s["system"]: s["tokens_per_s"] for s in doc["systems"]}
+    bagualu = doc["systems"][0]
+    assert bagualu["speedup_vs_best_baseline"] == pytest.approx(rates["bagualu"] / max(v for k, v in rates.items() if k != "bagualu"))
+
+
+def test_cli_simulate_in_time(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    start = time.perf_counter()
+    assert main(["simulate", "glm-423b-a30b", "--iterations", "5", "--json", str(out)]) == 0
+    assert time.perf_counter() - start < 60
+    printed = capsys.readouterr().out
+    assert "SIMULATED" in printed and all(name in printed for name in SYSTEMS)
+    assert json.loads(out.read_text())["simulated"] is True
