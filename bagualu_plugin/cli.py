@@ -148,6 +148,11 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"SIMULATED: {args.recipe}, {recipe.gpus} devices of {recipe.hardware.name}, {args.iterations} iterations, "
           f"spike seed {result.seed} (cost model times, not measurements)")
     print(table(["system", "MFU", "tokens/s", "OOMs", "vs best baseline", "iteration"], rows))
+    print("\nablation (Fig. 11): L1 every layer recomputed, L2 + static fine-grained plans, L3 + dynamic, L4 + fused dual-batch")
+    print(table(["level", "tokens/s", "OOMs", "vs previous"],
+                [[a.level, f"{a.tokens_per_s:,.0f}", a.ooms, f"{a.speedup_vs_previous:.3f}x"] for a in result.ablation]))
+    print(f"BaGuaLu's decisions per iteration (slowest rank): mean {1e3 * result.decision_s:.2f} ms, "
+          f"max {1e3 * result.decision_max_s:.2f} ms (paper: < 10 ms)")
     if args.json:
         result.save(args.json)
         print(f"wrote {args.json}")

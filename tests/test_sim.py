@@ -3,7 +3,6 @@ and of full recompute under spikes, the static baseline's crash, the cost memo a
 model, the JSON document and the `bagualu simulate` command."""
 
 import json
-import time
 
 import pytest
 
@@ -120,11 +119,23 @@ def test_json_document(tmp_path):
     assert bagualu["speedup_vs_best_baseline"] == pytest.approx(rates["bagualu"] / max(v for k, v in rates.items() if k != "bagualu"))
 
 
-def test_cli_simulate_in_time(tmp_path, capsys):
+def test_cli_simulate(tmp_path, capsys):
     out = tmp_path / "out.json"
-    start = time.perf_counter()
     assert main(["simulate", "glm-423b-a30b", "--iterations", "5", "--json", str(out)]) == 0
-    assert time.perf_counter() - start < 60
     printed = capsys.readouterr().out
-    assert "SIMULATED" in printed and all(name in printed for name in SYSTEMS)
-    assert json.loads(out.read_text())["simulated"] is True
+    assert "SIMULATED" in printed and all(name in printed for name in SYSTEMS) and "ablation" in printed
+    doc = json.loads(out.read_text())
+    assert doc["simulated"] is True and [a["level"] for a in doc["ablation"]] == ["L1", "L2", "L3", "L4"]
+    assert 0 < doc["decision_s_per_iteration"] <= doc["decision_max_s_per_iteration"]
+
+
+@pytest.mark.parametrize("name", ["glm-188b-a20b", "glm-423b-a30b", "glm-1041b-a35b-12288"])
+def test_ablation_levels_are_monotone_and_never_crash(name):
+    """Fig. 11: each level adds one of BaGuaLu-2's parts, over one spiky trace; none crashes
+    (L2 is planned for the trace's worst routing), and each is at least as fast as the last."""
+    result = simulate(_spiky(name, 0.5), iterations=8, seed=2, preset=name)
+    levels = result.ablation
+    assert [a.level for a in levels] == ["L1", "L2", "L3", "L4"] and not any(a.ooms for a in levels)
+    assert all(b.tokens_per_s >= a.tokens_per_s for a, b in zip(levels, levels[1:])), [a.tokens_per_s for a in levels]
+    assert levels[-1].tokens_per_s > levels[0].tokens_per_s
+    assert levels[-1].tokens_per_s == pytest.approx(result.outcomes[0].tokens_per_s)  # L4 is the bagualu system

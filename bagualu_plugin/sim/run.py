@@ -21,7 +21,7 @@ from ..costmodel import MicroBatchCost, iteration_curve
 from ..costmodel.dims import ModelDims, param_count
 from .costs import MicroBatch
 from .pipeline import iteration_time, p2p_seconds
-from .systems import Rank, System, systems
+from .systems import Rank, System, ablation, systems
 from .trace import Trace, routing_trace
 
 
@@ -39,15 +39,29 @@ class Outcome:
 
 
 @dataclass(frozen=True)
+class Level:
+    """One step of the ablation (Fig. 11)."""
+
+    level: str
+    tokens_per_s: float
+    ooms: int
+    speedup_vs_previous: float
+
+
+@dataclass(frozen=True)
 class Simulation:
     preset: str
     iterations: int
     seed: int
     outcomes: list[Outcome]
+    ablation: list[Level]
+    decision_s: float  # BaGuaLu's decisions per iteration, the slowest rank's, mean over the run
+    decision_max_s: float
 
     def to_json(self) -> dict:
         return {"preset": self.preset, "simulated": True, "iterations": self.iterations, "seed": self.seed,
-                "systems": [asdict(o) for o in self.outcomes]}
+                "systems": [asdict(o) for o in self.outcomes], "ablation": [asdict(a) for a in self.ablation],
+                "decision_s_per_iteration": self.decision_s, "decision_max_s_per_iteration": self.decision_max_s}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -105,17 +119,23 @@ def simulate(recipe: Recipe, iterations: int = 100, seed: int | None = None, pre
     p2p_s = p2p_seconds(recipe)
     tokens = recipe.parallel.dp * recipe.pipeline.micro_batches * recipe.batch.tokens  # per iteration, all replicas
     restart = recipe.spikes.restart_iterations
-    rows = []
-    for system in every:
+
+    def run(system: System) -> tuple[str, float, int, float, int]:
         times, crashes, lost = _run(system, ranks, trace, p2p_s)
         mean = sum(times) / len(times) if times else float("inf")
         elapsed = sum(times) + crashes * restart * mean
-        rate = len(times) * tokens / elapsed if times else 0.0
-        rows.append((system.name, rate, crashes, mean, lost))
+        return system.name, len(times) * tokens / elapsed if times else 0.0, crashes, mean, lost
+
+    rows = [run(system) for system in every]
     best = max(rate for name, rate, *_ in rows if name != "bagualu")
     outcomes = [
         Outcome(name, mfu(recipe, rate), rate, crashes, rate / best if best else float("inf"), mean, lost)
         for name, rate, crashes, mean, lost in rows
     ]
+    levels, previous = [], None
+    for name, rate, crashes, *_ in (run(system) for system in ablation(recipe, trace)):
+        levels.append(Level(name, rate, crashes, rate / previous if previous else 1.0))
+        previous = rate
+    decisions = every[0].decision_s  # bagualu's
     seed = recipe.spikes.seed if seed is None else seed
-    return Simulation(preset, iterations, seed, outcomes)
+    return Simulation(preset, iterations, seed, outcomes, levels, sum(decisions) / len(decisions), max(decisions))

@@ -19,6 +19,7 @@ A plan Algorithm 2 cannot fit in the budget is full recompute, what a static tun
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -74,12 +75,16 @@ class System:
 class Static(System):
     """One plan per rank, replayed for every micro-batch (§II-B's static workflow)."""
 
-    def __init__(self, name: str, ranks: Sequence[Rank], trace: Trace, strategies: Sequence[str] | None, fallback: str | None):
+    def __init__(
+        self, name: str, ranks: Sequence[Rank], trace: Trace, strategies: Sequence[str] | None, fallback: str | None,
+        imbalance: float | None = None,
+    ):
         """`strategies`: what Algorithm 2 may use (None: full recompute); `fallback` after a crash:
-        "observed" (re-planned for the observed imbalance), "full_recompute", or None (no change)."""
+        "observed" (re-planned for the observed imbalance), "full_recompute", or None (no change);
+        `imbalance`: the routing planned for (default: the top of the normal band)."""
         self.name, self.ranks, self.trace = name, list(ranks), trace
         self.strategies, self.fallback = strategies, fallback
-        self.plans = self._plans(strategies, ranks[0].stage.recipe.spikes.normal_max_imbalance)
+        self.plans = self._plans(strategies, imbalance or ranks[0].stage.recipe.spikes.normal_max_imbalance)
 
     def _plans(self, strategies: Sequence[str] | None, imbalance: float) -> list[PlanCosts]:
         return [r.costs.under(static_plan(r, strategies, imbalance)) for r in self.ranks]
@@ -110,22 +115,29 @@ def static_plan(rank: Rank, strategies: Sequence[str] | None, imbalance: float) 
 
 
 class BaGuaLu(System):
-    """BaGuaLu-2 (§V): what the Provisioner decides per micro-batch, and §V-B's fused points."""
+    """BaGuaLu-2 (§V): what the Provisioner decides per micro-batch, and §V-B's fused points
+    (`fused=False`: without them, the ablation's L3). `decision_s` holds, per iteration, the
+    slowest rank's decision time (budgets, plans, gates, schedules: §VI-D's runtime overhead)."""
 
-    name = "bagualu"
-
-    def __init__(self, ranks: Sequence[Rank], trace: Trace):
-        self.ranks, self.trace = list(ranks), trace
-        self._deciders = [_Decider(r) for r in self.ranks]
+    def __init__(self, ranks: Sequence[Rank], trace: Trace, fused: bool = True, name: str = "bagualu"):
+        self.name, self.ranks, self.trace = name, list(ranks), trace
+        self._deciders = [_Decider(r, fused) for r in self.ranks]
+        self.decision_s: list[float] = []
 
     def iteration(self, it: int) -> list[list[MicroBatch]]:
-        return [d.iteration(self.trace, it) for d in self._deciders]
+        out, slowest = [], 0.0
+        for d in self._deciders:
+            start = time.perf_counter()
+            out.append(d.iteration(self.trace, it))
+            slowest = max(slowest, time.perf_counter() - start)
+        self.decision_s.append(slowest)
+        return out
 
 
 class _Decider:
     """One rank's Provisioner arithmetic (`runtime.provisioner`), without a model."""
 
-    def __init__(self, rank: Rank):
+    def __init__(self, rank: Rank, fused: bool = True):
         s = self.stage = rank.stage
         self.rank, self.first = rank, rank.first_budgets
         balanced = rank.costs.balanced
@@ -135,7 +147,7 @@ class _Decider:
             strategies=s.recipe.strategies.allowed, options=s.options,
         )
         self.gates: dict[tuple, dict[int, LayerCost]] = {}
-        self.schedules = ScheduleCache(executor_stages(s.cost, s.options)) if s.recipe.pipeline.pp > 2 else None
+        self.schedules = ScheduleCache(executor_stages(s.cost, s.options)) if fused and s.recipe.pipeline.pp > 2 else None
         self.points = _points(s)
 
     def iteration(self, trace: Trace, it: int) -> list[MicroBatch]:
@@ -192,6 +204,24 @@ def _points(stage: Stage) -> list[tuple[int, int]]:
 
 def _items(plan: Plan) -> tuple[tuple[OpId, str], ...]:
     return tuple(sorted(plan.items()))
+
+
+LEVELS = ("L1", "L2", "L3", "L4")
+
+
+def ablation(recipe: Recipe, trace: Trace) -> list[System]:
+    """Fig. 11's levels, each adding one of BaGuaLu-2's parts (§VI-D), none of which crashes:
+    L1 the coarse, layer-level policy (every layer recomputed); L2 static fine-grained mitigation,
+    one Algorithm 2 plan per stage for the trace's worst routing; L3 dynamic mitigation (budgets,
+    plans per micro-batch, the gate); L4 with the fused dual-batch points."""
+    rs = ranks(recipe, trace)
+    worst = max(trace.peak(it) for it in range(trace.iterations))
+    return [
+        Static("L1", rs, trace, None, None),
+        Static("L2", rs, trace, recipe.strategies.allowed, "full_recompute", imbalance=worst),
+        BaGuaLu(rs, trace, fused=False, name="L3"),
+        BaGuaLu(rs, trace, name="L4"),
+    ]
 
 
 def systems(recipe: Recipe, trace: Trace) -> list[System]:
