@@ -36,6 +36,7 @@ class Outcome:
     speedup_vs_best_baseline: float  # tokens/s over the fastest system other than bagualu
     iteration_s: float  # mean of the iterations that ran through
     lost_iterations: int  # crashed with no plan left to change: their tokens are not counted
+    iteration_mfu: list[float]  # per iteration, its restarts included (Fig. 9)
 
 
 @dataclass(frozen=True)
@@ -93,20 +94,23 @@ def fits(ranks: list[Rank], micro_batches: list[list[MicroBatch]]) -> bool:
     return True
 
 
-def _run(system: System, ranks: list[Rank], trace: Trace, p2p_s: float) -> tuple[list[float], int, int]:
-    """The system's iteration times that ran through, its crashes and its lost iterations."""
-    times, crashes, lost = [], 0, 0
+def _run(system: System, ranks: list[Rank], trace: Trace, p2p_s: float) -> list[tuple[float | None, int]]:
+    """Per iteration of the trace: its time (None: lost, it crashed with no plan left to change)
+    and the crashes it cost first."""
+    timeline = []
     for it in range(trace.iterations):
+        crashes = 0
         while True:
             mbs = system.iteration(it)
             if fits(ranks, mbs):
-                times.append(iteration_time([[m.forward_s for m in r] for r in mbs], [[m.backward_s for m in r] for r in mbs], p2p_s))
+                t = iteration_time([[m.forward_s for m in r] for r in mbs], [[m.backward_s for m in r] for r in mbs], p2p_s)
+                timeline.append((t, crashes))
                 break
             crashes += 1
             if not system.after_crash(trace.peak(it)):
-                lost += 1
+                timeline.append((None, crashes))
                 break
-    return times, crashes, lost
+    return timeline
 
 
 def simulate(recipe: Recipe, iterations: int = 100, seed: int | None = None, preset: str = "") -> Simulation:
@@ -120,17 +124,23 @@ def simulate(recipe: Recipe, iterations: int = 100, seed: int | None = None, pre
     tokens = recipe.parallel.dp * recipe.pipeline.micro_batches * recipe.batch.tokens  # per iteration, all replicas
     restart = recipe.spikes.restart_iterations
 
-    def run(system: System) -> tuple[str, float, int, float, int]:
-        times, crashes, lost = _run(system, ranks, trace, p2p_s)
+    def run(system: System) -> tuple[str, float, int, float, int, list[float]]:
+        """Its tokens/s over the run (a crash costs `restart` mean iterations), crashes, mean
+        iteration, lost iterations, and each iteration's MFU with the restarts it paid (Fig. 9)."""
+        timeline = _run(system, ranks, trace, p2p_s)
+        times = [t for t, _ in timeline if t is not None]
+        crashes = sum(c for _, c in timeline)
         mean = sum(times) / len(times) if times else float("inf")
         elapsed = sum(times) + crashes * restart * mean
-        return system.name, len(times) * tokens / elapsed if times else 0.0, crashes, mean, lost
+        each = [mfu(recipe, tokens / (t + c * restart * mean)) if t is not None else 0.0 for t, c in timeline]
+        lost = sum(t is None for t, _ in timeline)
+        return system.name, len(times) * tokens / elapsed if times else 0.0, crashes, mean, lost, each
 
     rows = [run(system) for system in every]
     best = max(rate for name, rate, *_ in rows if name != "bagualu")
     outcomes = [
-        Outcome(name, mfu(recipe, rate), rate, crashes, rate / best if best else float("inf"), mean, lost)
-        for name, rate, crashes, mean, lost in rows
+        Outcome(name, mfu(recipe, rate), rate, crashes, rate / best if best else float("inf"), mean, lost, each)
+        for name, rate, crashes, mean, lost, each in rows
     ]
     levels, previous = [], None
     for name, rate, crashes, *_ in (run(system) for system in ablation(recipe, trace)):
