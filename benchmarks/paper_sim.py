@@ -139,10 +139,7 @@ def plot(directory: Path, rows: list[dict], seqs: list[dict], ablation, window: 
     labels = [f"{r['preset']}\n{r['devices']:,}" for r in rows]
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))], labels, fontsize=7, rotation=12)
     ax.set_ylabel("PFLOP/s (log)")
-    ax.set_title("SIMULATED weak scaling (Fig. 8): throughput per system, BaGuaLu-2's MFU above its bar")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(directory / "fig8.png", dpi=120)
+    _save(fig, ax, "SIMULATED weak scaling (Fig. 8): throughput per system, BaGuaLu-2's MFU above its bar", directory / "fig8.png")
 
     fig, ax = plt.subplots(figsize=(10, 4))
     for system, each in window.items():
@@ -152,10 +149,7 @@ def plot(directory: Path, rows: list[dict], seqs: list[dict], ablation, window: 
     right = ax.twinx()
     right.plot(peaks, color="gray", linestyle=":", label="peak imbalance")
     right.set_ylabel("peak token-to-expert imbalance (x balanced)")
-    ax.set_title("SIMULATED glm-423b-a30b per-iteration MFU through spikes (Fig. 9)")
-    ax.legend(loc="lower left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(directory / "fig9.png", dpi=120)
+    _save(fig, ax, "SIMULATED glm-423b-a30b per-iteration MFU through spikes (Fig. 9)", directory / "fig9.png", loc="lower left")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for system in seqs[0]["mfu"]:
@@ -163,10 +157,7 @@ def plot(directory: Path, rows: list[dict], seqs: list[dict], ablation, window: 
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length")
     ax.set_ylabel("MFU (%)")
-    ax.set_title("SIMULATED glm-423b-a30b (Fig. 10b)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(directory / "fig10.png", dpi=120)
+    _save(fig, ax, "SIMULATED glm-423b-a30b (Fig. 10b)", directory / "fig10.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     base = ablation[0].tokens_per_s
@@ -177,12 +168,16 @@ def plot(directory: Path, rows: list[dict], seqs: list[dict], ablation, window: 
         paper.append(total)
     ax.plot([a.level for a in ablation], paper, "k--o", label="paper (cumulative)")
     ax.set_ylabel("speedup over L1")
-    ax.set_title("SIMULATED ablation, glm-423b-a30b (Fig. 11)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(directory / "fig11.png", dpi=120)
+    _save(fig, ax, "SIMULATED ablation, glm-423b-a30b (Fig. 11)", directory / "fig11.png")
     plt.close("all")
     print(f"\nplots: {', '.join(str(directory / f) for f in ('fig8.png', 'fig9.png', 'fig10.png', 'fig11.png'))}")
+
+
+def _save(fig, ax, title: str, path: Path, **legend) -> None:
+    ax.set_title(title)
+    ax.legend(fontsize=8, **legend)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ schedules worked out by hand, and the properties every rank's order must have.""
 import pytest
 
 from bagualu_plugin.config import Recipe
-from bagualu_plugin.costmodel.pipeline import Step, interleaved_one_f_one_b, one_f_one_b, stage_layers, warmup_depth
+from bagualu_plugin.costmodel.pipeline import Step, fused_points, interleaved_one_f_one_b, one_f_one_b, stage_layers, warmup_depth
 from bagualu_plugin.stage import Stage
 
 
@@ -153,3 +153,13 @@ def test_stage_refuses_interleaving_it_does_not_budget():
     )
     with pytest.raises(ValueError, match=r"pipeline.vp=2: .* use vp=1"):
         Stage.of(recipe)
+
+
+def test_fused_points_pair_each_forward_with_the_next_micro_batch_s_backward():
+    """The dual-batch executor's points (§V-B): rank 0 of 4 fuses F3 B0, F4 B1, F5 B2; the last
+    rank's forward and backward are of one micro-batch, so it fuses nothing."""
+    points = [(f.micro_batch, b.micro_batch) for f, b in fused_points(one_f_one_b(4, 0, 6)) if b is not None]
+    assert points == [(3, 0), (4, 1), (5, 2)]
+    alone = [(s.kind, s.micro_batch) for s, b in fused_points(one_f_one_b(4, 0, 6)) if b is None]
+    assert alone == [("F", 0), ("F", 1), ("F", 2), ("B", 3), ("B", 4), ("B", 5)]
+    assert all(b is None for _, b in fused_points(one_f_one_b(4, 3, 6)))

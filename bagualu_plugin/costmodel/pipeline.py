@@ -54,6 +54,21 @@ def stage_layers(num_layers: int, pp: int, rank: int, vp: int = 1, chunk: int = 
     return range(first, first + per)
 
 
+def fused_points(schedule: Sequence[Step]) -> list[tuple[Step, Step | None]]:
+    """`schedule` as the dual-batch executor runs it (§V-B): a forward followed by another
+    micro-batch's backward is one scheduling point (F, B); every other step runs alone (step, None)."""
+    out, i = [], 0
+    while i < len(schedule):
+        step, following = schedule[i], schedule[i + 1] if i + 1 < len(schedule) else None
+        if step.kind == "F" and following is not None and following.kind == "B" and following.micro_batch != step.micro_batch:
+            out.append((step, following))
+            i += 2
+        else:
+            out.append((step, None))
+            i += 1
+    return out
+
+
 def one_f_one_b(pp: int, rank: int, micro_batches: int) -> list[Step]:
     """The order of forwards and backwards on `rank` of a `pp`-stage 1F1B pipeline."""
     if pp < 1 or not 0 <= rank < pp:

@@ -16,7 +16,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
-from ..costmodel.pipeline import Step
+from ..costmodel.pipeline import Step, fused_points
 from .dual_batch import DualBatchExecutor, StagePieces
 from .provisioner import Provisioner
 
@@ -76,27 +76,19 @@ def _fused(model, batches, schedule, provisioner, around) -> list[torch.Tensor]:
     )
     losses: dict[int, torch.Tensor] = {}
     in_flight: list[int] = []
-    i = 0
-    while i < len(schedule):
-        step = schedule[i]
+    for step, backward in fused_points(schedule):
         ids = batches[step.micro_batch]
         engine = {"phase": step.phase, "in_flight": len(in_flight)} if provisioner else {}
-        following = schedule[i + 1] if i + 1 < len(schedule) else step
-        fuse = step.kind == "F" and following.kind == "B" and following.micro_batch != step.micro_batch
-        if fuse:
-            y = schedule[i + 1].micro_batch
-            losses[step.micro_batch], _ = executor.point(step.micro_batch, ids, ids, y, **engine)
-            in_flight.remove(y)
+        if backward is not None:
+            losses[step.micro_batch], _ = executor.point(step.micro_batch, ids, ids, backward.micro_batch, **engine)
+            in_flight.remove(backward.micro_batch)
             in_flight.append(step.micro_batch)
-            i += 2
-            continue
-        if step.kind == "F":
+        elif step.kind == "F":
             losses[step.micro_batch] = executor.forward(step.micro_batch, ids, ids, **engine)
             in_flight.append(step.micro_batch)
         else:
             executor.backward(step.micro_batch)
             in_flight.remove(step.micro_batch)
-        i += 1
     if in_flight or len(losses) != len(batches):
         raise ValueError(f"the schedule left micro-batches {sorted(in_flight)} without a backward or ran {len(losses)} of {len(batches)}")
     return [losses[i] for i in range(len(batches))]

@@ -122,7 +122,6 @@ class DualBatchExecutor:
         self.stage, self.provisioner = stage, provisioner
         self.around = around or (lambda kind, mb: nullcontext())
         self._flights: dict[int, _Flight] = {}
-        self.points: list[Point] = []
 
     # --- unfused: warmup forwards, cooldown backwards -------------------------------------------
     def forward(self, mb: int, value: torch.Tensor, labels: torch.Tensor | None = None, **engine) -> torch.Tensor:
@@ -171,9 +170,7 @@ class DualBatchExecutor:
             raise RuntimeError(f"point({x}, {y}): the schedule's blocks {blocks} do not cover the stage's pieces {self.stage.blocks}")
         grad_in = self._end_backward(y)
         if self.provisioner:
-            point = Point(x, y, recovered, order, schedule.time_s, schedule.serial_s, hit, solve_s)
-            self.points.append(point)
-            self.provisioner.record_point(x, point.to_json())
+            self.provisioner.record_point(x, Point(x, y, recovered, order, schedule.time_s, schedule.serial_s, hit, solve_s).to_json())
         return out, grad_in
 
     def _agreed(self, order: list[tuple[str, int]]) -> list[tuple[str, int]]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from ..config import Recipe
 from ..costmodel import OpId
+from ..costmodel.pipeline import fused_points
 from ..costmodel.plan import Plan
 from ..planner import BudgetState, CachedPlanner, InfeasibleBudget, LayerCost, at_gate, escalated, gate_costs, plan_micro_batch
 from ..planner.dual_batch import ScheduleCache, executor_stages
@@ -192,14 +193,8 @@ class _Decider:
 
 
 def _points(stage: Stage) -> list[tuple[int, int]]:
-    """The fused points (x, y) of a rank's 1F1B order: a forward followed by another micro-batch's
-    backward (`runtime.driver`'s rule)."""
-    order = stage.schedule
-    return [
-        (a.micro_batch, b.micro_batch)
-        for a, b in zip(order, order[1:])
-        if a.kind == "F" and b.kind == "B" and a.micro_batch != b.micro_batch
-    ]
+    """The fused points (x, y) of a rank's 1F1B order, as the executor runs them."""
+    return [(f.micro_batch, b.micro_batch) for f, b in fused_points(stage.schedule) if b is not None]
 
 
 def _items(plan: Plan) -> tuple[tuple[OpId, str], ...]:

@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine  # noqa: E402
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
 
-from ...costmodel.pipeline import one_f_one_b  # noqa: E402
+from ...costmodel.pipeline import fused_points, one_f_one_b  # noqa: E402
 from ...runtime.dual_batch import DualBatchExecutor, StagePieces  # noqa: E402
 from ...runtime.provisioner import Provisioner  # noqa: E402
 
@@ -84,7 +84,6 @@ class DualBatchPipelineEngine(BagualuPipelineEngine):
         first, last = rank == 0, rank == pp - 1
         executor = DualBatchExecutor(StagePieces(model.causal_lm, pp, rank, loss_divisor=nb_microbatches), self.provisioner)
         batch, outputs, in_flight = list(batch), [], 0
-        schedule = one_f_one_b(pp, rank, nb_microbatches)
 
         def received(mb: int) -> torch.Tensor:
             if first:
@@ -104,28 +103,23 @@ class DualBatchPipelineEngine(BagualuPipelineEngine):
             if not first:
                 p2p.send_tensors([grad], to_rank=rank - 1)
 
-        i = 0
-        while i < len(schedule):
-            step, following = schedule[i], schedule[i + 1] if i + 1 < len(schedule) else schedule[i]
+        for step, backward in fused_points(one_f_one_b(pp, rank, nb_microbatches)):
             engine = {"phase": step.phase, "in_flight": in_flight}
-            labels = lambda mb: batch[mb]["labels"] if last else None  # noqa: E731
-            if step.kind == "F" and following.kind == "B" and following.micro_batch != step.micro_batch:
-                x, y = step.micro_batch, following.micro_batch
-                value = received(x)
+            mb = step.micro_batch
+            labels = batch[mb]["labels"] if last else None
+            if backward is not None:
+                value = received(mb)
                 grad = gradient()
                 self.on_forward()
-                out, grad_in = executor.point(x, value, labels(x), y, grad, **engine)
-                forwarded(x, out)
+                out, grad_in = executor.point(mb, value, labels, backward.micro_batch, grad, **engine)
+                forwarded(mb, out)
                 backwarded(grad_in)
-                i += 2
-                continue
-            if step.kind == "F":
-                value = received(step.micro_batch)
+            elif step.kind == "F":
+                value = received(mb)
                 self.on_forward()
-                forwarded(step.micro_batch, executor.forward(step.micro_batch, value, labels(step.micro_batch), **engine))
+                forwarded(mb, executor.forward(mb, value, labels, **engine))
                 in_flight += 1
             else:
-                backwarded(executor.backward(step.micro_batch, gradient()))
+                backwarded(executor.backward(mb, gradient()))
                 in_flight -= 1
-            i += 1
         return outputs
