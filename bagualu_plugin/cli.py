@@ -10,9 +10,8 @@ from collections.abc import Sequence
 import yaml
 
 from .config import RecipeError, load_recipe
-from .costmodel import MITIGATIONS, Curve
+from .costmodel import MITIGATIONS, Curve, MicroBatchCost
 from .families import FAMILIES
-from .planner import BudgetState
 from .report import plot_curves, plot_timeline, table
 from .stage import Stage
 from .units import fmt_bytes, fmt_seconds
@@ -152,7 +151,7 @@ def _simulate(args: argparse.Namespace) -> int:
     print(table(["level", "tokens/s", "OOMs", "vs previous"],
                 [[a.level, f"{a.tokens_per_s:,.0f}", a.ooms, f"{a.speedup_vs_previous:.3f}x"] for a in result.ablation]))
     print(f"BaGuaLu's decisions per iteration (slowest rank): mean {1e3 * result.decision_s:.2f} ms, "
-          f"max {1e3 * result.decision_max_s:.2f} ms (paper: < 10 ms)")
+          f"median {1e3 * result.decision_median_s:.2f} ms, max {1e3 * result.decision_max_s:.2f} ms (paper: < 10 ms)")
     if args.json:
         result.save(args.json)
         print(f"wrote {args.json}")
@@ -169,7 +168,7 @@ def _validate(paths: Sequence[str]) -> int:
             r = load_recipe(path)
             stage = Stage.of(r)
             try:  # Algorithm 1 can start: capacity holds the static bytes and M0 per micro-batch in flight
-                BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup)
+                stage.budgets()
             except ValueError as exc:
                 raise RecipeError(path, [("hardware.capacity_bytes", str(exc))]) from None
         except RecipeError as exc:
@@ -300,9 +299,10 @@ def _curve(args: argparse.Namespace) -> int:
         spikes = ", ".join(f"F{mb} x{f:g}" for mb, f in args.spike)
         curves.append((f"routing spike ({spikes})", stage.curve(imbalance)))
     rows = _op_rows(stage)
+    schedule = "1F1B" if pipe.vp == 1 else f"interleaved 1F1B, {pipe.vp} chunks per rank"
     title = (
         f"{args.recipe}: stage {pipe.rank}/{pipe.pp} on {recipe.hardware.name}, "
-        f"{pipe.micro_batches} micro-batches of {stage.tokens} tokens (1F1B, nothing mitigated)"
+        f"{pipe.micro_batches} micro-batches of {stage.tokens} tokens ({schedule}, nothing mitigated)"
     )
     png = plot_curves(curves, args.png, stage.capacity, stage.static_bytes, title)
     if args.json:
@@ -343,12 +343,11 @@ def _cell(r: dict, strategy: str) -> str:
 def _as_text(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], title: str) -> str:
     cm, recipe = stage.cost, stage.recipe
     dense, expert = cm.parameter_counts()
-    layers = cm.layers
     mb = stage.micro_batch()
     out = [
         title,
-        f"layers {layers[0]}-{layers[-1]} of {recipe.model.num_layers}"
-        + (" + embedding" if -1 in cm.blocks else "")
+        f"layers {', '.join(f'{c.layers[0]}-{c.layers[-1]}' for c in stage.chunks)} of {recipe.model.num_layers}"
+        + (" + embedding" if cm.blocks[-1].dense_params else "")  # later stages hold only its RoPE tables
         + (" + LM head" if recipe.model.num_layers in cm.blocks else "")
         + f"; parallel dp {recipe.parallel.dp} tp {recipe.parallel.tp} ep {recipe.parallel.ep} pp {recipe.pipeline.pp}",
         f"parameters here: {dense / 1e9:.2f} B dense + {expert / 1e9:.2f} B expert"
@@ -371,9 +370,11 @@ def _as_text(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], ti
     if any(not r["unit"] for r in rows):
         notes.append("n/a: no recompute region replays it")
     out += [table(headers, body), *notes, ""]
+    chunks = "" if len(stage.chunks) == 1 else f" (its {len(stage.chunks)} chunk forwards together)"
     out.append(
-        f"micro-batch: Δt_f {fmt_seconds(mb.forward_s)}, Δt_b {fmt_seconds(mb.backward_s)}, "
-        f"Δm {fmt_bytes(mb.activation_bytes)}; M0 (full recompute) {fmt_bytes(stage.min_budget)}"
+        f"micro-batch{chunks}: Δt_f {fmt_seconds(mb.forward_s)}, Δt_b {fmt_seconds(mb.backward_s)}, "
+        f"Δm {fmt_bytes(mb.activation_bytes)}; M0 (full recompute at {recipe.spikes.normal_max_imbalance:g}x routing"
+        f"{', largest chunk' if chunks else ''}) {fmt_bytes(stage.min_budget)}"
     )
     for label, curve in curves:
         phases = {p: sum(1 for s in curve.steps if s.phase == p) for p in ("warmup", "steady", "cooldown")}
@@ -387,6 +388,10 @@ def _as_text(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], ti
     return "\n".join(out)
 
 
+def _costs(mb: MicroBatchCost) -> dict:
+    return {"forward_s": mb.forward_s, "backward_s": mb.backward_s, "activation_bytes": mb.activation_bytes}
+
+
 def _as_json(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], imbalance: list[float], png: str) -> dict:
     mb = stage.micro_batch()
     return {
@@ -395,7 +400,8 @@ def _as_json(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], im
         "capacity_bytes": stage.capacity,
         "static_bytes": stage.static_bytes,
         "min_budget_bytes": stage.min_budget,
-        "micro_batch": {"forward_s": mb.forward_s, "backward_s": mb.backward_s, "activation_bytes": mb.activation_bytes},
+        "micro_batch": _costs(mb),
+        "chunks": [_costs(stage.chunk(c).micro_batch()) for c in range(len(stage.chunks))],
         "ops": [
             {
                 "layer": r["op"].layer,
@@ -424,7 +430,7 @@ def _as_json(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], im
                 "fits": c.peak_bytes <= stage.capacity,
                 "times_s": c.times,
                 "bytes": c.bytes,
-                "steps": [f"{s.kind}{s.micro_batch}" for s in c.steps],
+                "steps": [f"{s.kind}{s.micro_batch}" + (f".{s.chunk}" if len(stage.chunks) > 1 else "") for s in c.steps],
             }
             for i, (label, c) in enumerate(curves)
         ],

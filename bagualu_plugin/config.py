@@ -143,7 +143,8 @@ class Strategies(_Section):
 class Budget(_Section):
     """Inputs of the pipeline-aware budget (§V-A, Algorithm 1): capacity M_max comes from the
     hardware, M_used starts at the non-activation bytes, and every micro-batch not yet launched is
-    guaranteed at least M0 (`min_budget`, the activation memory under full recompute)."""
+    guaranteed at least M0 (`min_budget`, the activation memory under full recompute at the top of
+    the normal routing band, `spikes.normal_max_imbalance`, which plans are made for)."""
 
     reserve_bytes: Bytes = Field(default=0, description="never given to activations (allocator, buffers)")
     min_budget: Literal["auto"] | Bytes = Field(default="auto", description="M0; auto: from the cost model")

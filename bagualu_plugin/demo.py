@@ -57,7 +57,7 @@ from .costmodel.pipeline import Step
 from .costmodel.plan import Plan
 from .parallel.expert import expert_parallel
 from .parallel.launch import run_ranks
-from .planner import BudgetState, plan_micro_batch
+from .planner import plan_micro_batch
 from .report import table
 from .runtime.driver import run_iteration
 from .runtime.ledger import SimulatedOutOfMemoryError
@@ -182,7 +182,7 @@ def demo_stage(recipe: Recipe, cost: CostModel) -> Stage:
 def check_capacity(stage: Stage) -> None:
     """Raise ValueError, naming M0, when the capacity cannot hold the static bytes plus the
     in-flight micro-batches under full recompute: then no policy can run (Algorithm 1's check)."""
-    BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup)
+    stage.budgets()
 
 
 def average_gradients(model: torch.nn.Module) -> None:

@@ -3,6 +3,7 @@ style of the paper's Fig. 5c (time on x, activation memory on y, the capacity li
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def plot_curves(
     rows.set_xlim(0, end)
     rows.set_xlabel("time on this stage (ms of compute, pipeline bubbles not drawn)")
     ax.set_ylabel("device memory (GiB)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 110)), fontsize=10)
     # every curve stays above the non-activation bytes, and mid-iteration above its steady level
     ax.legend(loc="lower center", fontsize=8, ncol=2)
     return _save(fig, path)

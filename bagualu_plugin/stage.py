@@ -1,25 +1,32 @@
 """The pipeline stage a recipe describes, in numbers: its cost model, the usable capacity, the
 non-activation bytes, the minimum per-micro-batch budget M0, the warmup depth, the 1F1B schedule
 and the micro-batch costs of an iteration (paper §IV-A, §V-A). Every caller reads these numbers
-here, so the Provisioner, the demo's static policies and `bagualu curve` judge against the same."""
+here, so the Provisioner, the demo's static policies and `bagualu curve` judge against the same.
+
+With `pipeline.vp` > 1 (interleaved 1F1B, §VI-A) the rank holds vp model chunks and each forward
+runs one of them: `chunk(c)` is the stage as chunk c's forwards see it (same device, same
+static bytes, chunk c's cost model), and the budgets count chunk forwards."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import Recipe
 from .costmodel import CostModel, Curve, MicroBatchCost, MitigationOptions, OpId, iteration_curve
-from .costmodel.pipeline import Step, one_f_one_b, warmup_depth
+from .costmodel.pipeline import Step, interleaved_one_f_one_b, release_order, warmup_depth
+from .planner import BudgetState
 
 
 @dataclass(frozen=True)
 class Stage:
     recipe: Recipe
-    cost: CostModel  # the blocks held by pipeline.rank
+    cost: CostModel  # the blocks held by pipeline.rank (of `chunk(c)`: chunk c's)
     tokens: int  # tokens per micro-batch, T
-    static_bytes: int  # weights, gradients, optimizer state
-    min_budget: int  # M0: activation bytes of one micro-batch under full recompute
+    static_bytes: int  # weights, gradients, optimizer state of the whole rank
+    min_budget: int  # M0: activation bytes of one forward under full recompute at the normal band's routing (vp > 1: largest chunk's)
+    chunks: tuple[CostModel, ...]  # the rank's model chunks, vp of them (vp = 1: the rank's blocks)
 
     @classmethod
     def of(cls, recipe: Recipe, cost: CostModel | None = None, split: bool = True) -> Stage:
@@ -27,14 +34,15 @@ class Stage:
         split to the recipe's pipeline stage, or already the stage's own when `split` is False
         (the model a pipeline rank holds is its stage)."""
         par, pipe, budget = recipe.parallel, recipe.pipeline, recipe.budget
-        if pipe.vp > 1:
+        if pipe.vp > 1 and not split:
             raise ValueError(
-                f"pipeline.vp={pipe.vp}: a stage is budgeted per whole-rank micro-batch (its cost split by contiguous layers, "
-                "M0, Algorithm 1 freeing forward i - B_w before forward i, the Provisioner keyed by micro-batch); interleaved "
-                "chunks free in another order (costmodel.pipeline.interleaved_one_f_one_b) and are not budgeted: use vp=1"
+                f"pipeline.vp={pipe.vp}: a rank's own model (split=False, as the Provisioner gets it) has no chunks to "
+                "interleave, and the runtime engines run plain 1F1B; interleaved stages are planned from the whole "
+                "model (Stage.of(recipe), `bagualu simulate`): use vp=1 to train"
             )
         whole = cost or CostModel.from_config(recipe.model, recipe.hardware, par)
-        stage = whole.stage(pipe.pp, pipe.rank) if split else whole
+        stage = whole.stage(pipe.pp, pipe.rank, pipe.vp) if split else whole
+        chunks = tuple(whole.stage(pipe.pp, pipe.rank, pipe.vp, [c]) for c in range(pipe.vp)) if pipe.vp > 1 else (stage,)
         tokens = recipe.batch.tokens
         if budget.non_activation_bytes == "auto" and budget.fsdp:
             static = stage.fsdp_static_bytes(
@@ -51,9 +59,16 @@ class Stage:
         else:
             static = budget.non_activation_bytes
         m0 = budget.min_budget
-        if m0 == "auto":
-            m0 = stage.activation_bytes(tokens, seq_len=recipe.batch.seq_len, plan=stage.full_recompute())
-        return cls(recipe, stage, tokens, static, m0)
+        if m0 == "auto":  # at the routing plans are made for: under expert parallelism what recompute keeps grows with it
+            routed = tokens * stage.pairs_per_token * recipe.spikes.normal_max_imbalance
+            m0 = max(math.ceil(c.footprint(tokens, routed, recipe.batch.seq_len, c.full_recompute()).device_bytes) for c in chunks)
+        return cls(recipe, stage, tokens, static, m0, chunks)
+
+    def chunk(self, c: int) -> Stage:
+        """The stage as the forwards of model chunk `c` see it: chunk c's cost model, the rank's memory."""
+        if not 0 <= c < len(self.chunks):
+            raise ValueError(f"chunk must be in [0, {len(self.chunks)}) (pipeline.vp), got {c}")
+        return replace(self, cost=self.chunks[c])
 
     @property
     def capacity(self) -> int:
@@ -63,16 +78,23 @@ class Stage:
 
     @property
     def warmup(self) -> int:
-        """B_w: micro-batches in flight at the stage's peak. 1F1B's first steady forward also runs
-        before any backward, so rank r of P stacks min(P - r, m), one more than its warmup forwards."""
+        """B_w: forwards in flight at the stage's peak. 1F1B's first steady forward also runs
+        before any backward, so rank r of P stacks min(P - r, m), one more than its warmup
+        forwards; with vp > 1 they are chunk forwards (`warmup_depth`)."""
         pipe = self.recipe.pipeline
-        return warmup_depth(pipe.pp, pipe.rank, pipe.micro_batches)
+        return warmup_depth(pipe.pp, pipe.rank, pipe.micro_batches, pipe.vp)
 
     @property
     def schedule(self) -> list[Step]:
-        """The forwards and backwards of one iteration on this rank, in nanotron's 1F1B order."""
+        """The forwards and backwards of one iteration on this rank, in nanotron's 1F1B order
+        (vp > 1: Megatron-LM's interleaved order, every step one chunk)."""
         pipe = self.recipe.pipeline
-        return one_f_one_b(pipe.pp, pipe.rank, pipe.micro_batches)
+        return interleaved_one_f_one_b(pipe.pp, pipe.rank, pipe.micro_batches, pipe.vp)
+
+    def budgets(self) -> BudgetState:
+        """Algorithm 1 before the iteration's first forward (§V-A), freeing in this schedule's order."""
+        released = release_order(self.schedule) if self.recipe.pipeline.vp > 1 else None
+        return BudgetState.start(self.capacity, self.static_bytes, self.min_budget, self.warmup, released)
 
     @property
     def options(self) -> MitigationOptions:
@@ -87,11 +109,14 @@ class Stage:
         return self.cost.micro_batch(self.tokens, routed, self.recipe.batch.seq_len, plan, self.options)
 
     def curve(self, imbalance: Sequence[float] | None = None) -> Curve:
-        """The iteration curve with nothing mitigated; `imbalance[i]` scales micro-batch i's routing."""
-        m = self.recipe.pipeline.micro_batches
+        """The iteration curve with nothing mitigated; `imbalance[i]` scales micro-batch i's routing
+        (in every chunk of it)."""
+        pipe = self.recipe.pipeline
+        m = pipe.micro_batches
         imbalance = list(imbalance or [1.0] * m)
         if len(imbalance) != m:
             raise ValueError(f"imbalance has {len(imbalance)} entries, expected pipeline.micro_batches = {m}")
-        costs = {x: self.micro_batch(x) for x in set(imbalance)}
-        pipe = self.recipe.pipeline
-        return iteration_curve([costs[x] for x in imbalance], pipe.pp, pipe.rank, self.static_bytes)
+        chunks = [self.chunk(c) for c in range(pipe.vp)]
+        costs = {(x, c): chunk.micro_batch(x) for x in set(imbalance) for c, chunk in enumerate(chunks)}
+        ordered = [costs[x, c] for x in imbalance for c in range(pipe.vp)]
+        return iteration_curve(ordered, pipe.pp, pipe.rank, self.static_bytes, pipe.vp)

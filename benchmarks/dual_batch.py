@@ -1,21 +1,22 @@
 """Fused dual-batch execution (paper §V-B), as the planner predicts it on the paper's presets.
 
-For every Table II preset (`recipes/bagualu/cluster/`), pipeline rank 0 at balanced routing:
-Algorithm 1's steady budget (the capacity left after the static bytes, over the micro-batches in
+For every Table II preset (`recipes/bagualu/cluster/`), pipeline rank 0 at balanced routing, its
+first model chunk (the presets interleave vp chunks per rank, and every forward is one chunk):
+Algorithm 1's steady budget (the capacity left after the static bytes, over the chunk forwards in
 flight), Algorithm 2's plan for it, then one steady scheduling point F_x B_y whose four classes
 (forward of x, backward of y, offload of x-1, recovery of y+1) all run that plan
 (`planner.dual_batch.point_stages`),
 solved one transformer block at a time (`solve_blocks`). Printed per preset: the point's predicted time with the
 classes one after another and in the DP's fused order, their ratio, the iteration's ratio (the
-warmup forwards and cooldown backwards stay unfused), and the DP's solve time uncached and
+steps outside the rank's fused points stay unfused), and the DP's solve time uncached and
 through the cache over 100 iterations' steady points. All predicted by the cost model: nothing
 here runs a model. The fused time is a bound: `window_time` overlaps a class's all-to-alls and
 copies with the others' compute on a stream of their own, without contention, and the unfused
 point overlaps nothing (its classes one after another, each a chain).
 
 Then measured: the executor (`runtime.dual_batch`) against the unfused 1F1B driver on CPU, with
-real expert parallelism over 2 gloo processes (a tiny GLM-4-MoE, pipeline rank 0 of 4, 8
-micro-batches, plans that recompute and offload), iterations alternating, the median per
+real expert parallelism over 2 gloo processes of one thread each (a tiny GLM-4-MoE, pipeline
+rank 0 of 4, 8 micro-batches, plans that recompute and offload), iterations alternating, the median per
 iteration of the slower rank, and the DP's cache over the run. On CPU nothing runs concurrently
 (one stream; gloo's all-to-alls block), so this measures what fusing costs or saves without
 overlap: the piece-wise autograd and the schedule's bookkeeping.
@@ -35,6 +36,7 @@ from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.config import Recipe, builtin_recipes, load_recipe
 from bagualu_plugin.costmodel import ModelDims
+from bagualu_plugin.costmodel.pipeline import fused_points
 from bagualu_plugin.parallel.launch import run_ranks
 from bagualu_plugin.planner import plan_micro_batch
 from bagualu_plugin.planner.dual_batch import ScheduleCache, joined, point_stages, solve_blocks, window_time
@@ -48,7 +50,8 @@ def main() -> None:
     presets = sorted(name for name in builtin_recipes() if name.startswith("glm-"))
     rows = []
     for name in presets:
-        stage = Stage.of(load_recipe(name))
+        rank = Stage.of(load_recipe(name))
+        stage = rank.chunk(0)
         recipe, cm, seq = stage.recipe, stage.cost, stage.recipe.batch.seq_len
         budget = (stage.capacity - stage.static_bytes) / stage.warmup
         plan = plan_micro_batch(cm, budget, stage.tokens, seq_len=seq, strategies=recipe.strategies.allowed).plan
@@ -57,19 +60,21 @@ def main() -> None:
         start = time.perf_counter()
         schedule = solve_blocks(blocks)
         uncached = time.perf_counter() - start
-        steady = recipe.pipeline.micro_batches - recipe.pipeline.pp  # steady points on rank 0
+        points = fused_points(rank.schedule)
+        steady = sum(b is not None for _, b in points)  # fused points on rank 0
         cache = ScheduleCache(lambda key, blocks=blocks: blocks)
         start = time.perf_counter()
         for _ in range(100 * steady):  # one miss, then hits: budgets repeat with the phase (§V-B)
             cache.get((round(budget), 0, "steady"))
         amortised = (time.perf_counter() - start) / (100 * steady)
         serial = schedule.serial_s
-        edges = recipe.pipeline.pp * (window_time([stages[0]]) + window_time([stages[1]]))  # warmup F, cooldown B
+        alone = {"F": window_time([stages[0]]), "B": window_time([stages[1]])}
+        edges = sum(alone[step.kind] for step, b in points if b is None)  # warmup forwards, cooldown backwards
         rows.append([
             name, f"{len(plan)}", fmt_seconds(serial), fmt_seconds(schedule.time_s), f"{serial / schedule.time_s:.2f}x",
             f"{(edges + steady * serial) / (edges + steady * schedule.time_s):.2f}x", fmt_seconds(uncached), fmt_seconds(amortised),
         ])
-    print("predicted by the cost model (pipeline rank 0, balanced routing; a bound, see the docstring); paper: 1.13x (L3 -> L4)")
+    print("predicted by the cost model (pipeline rank 0, chunk 0, balanced routing; a bound, see the docstring); paper: 1.13x (L3 -> L4)")
     print(table(["preset", "ops planned", "point serial", "point fused", "point", "iteration", "DP uncached", "DP cached"], rows))
 
     measured()
@@ -77,6 +82,7 @@ def main() -> None:
 
 def _rank(rank: int, size: int, iterations: int) -> dict:
     """One expert-parallel rank: fused and unfused iterations alternating on one Provisioner."""
+    torch.set_num_threads(1)  # a core per process: two ranks of two threads each on two cores thrash
     batch, seq, m = 2, 64, 8
     model = tiny_model("glm4_moe", num_hidden_layers=4, hidden_size=128, moe_intermediate_size=64, intermediate_size=256)
     model.set_experts_implementation("bagualu")

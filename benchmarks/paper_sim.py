@@ -8,12 +8,15 @@ hardware, not measured.
   32.9% mean MFU, 2.012 EFLOPs at 12,288 devices.
 - Fig. 9: GLM-423B-A30B's per-iteration MFU through the trace's spikes (a crash's restart counted
   in the iteration it hits), with the trace's peak imbalance per iteration.
+- Fig. 10(a): the same total parameters with more or fewer activated (GLM-319B and GLM-423B at
+  top-4 / top-6 / top-8 routing: A24B, A30B, A36B), each system's MFU. Paper: BaGuaLu-2 highest
+  in every configuration, 1.11x on average, the gap growing with the activated parameters.
 - Fig. 10(b): GLM-423B-A30B at sequence lengths 4K, 8K and 16K (micro-batch tokens grow with it).
 - Fig. 11: the ablation L1 -> L4 on GLM-423B-A30B. Paper: 1.16x, 1.05x, 1.13x.
 
 `--plots DIR` writes fig8.png, fig9.png, fig10.png and fig11.png.
 
-    python benchmarks/paper_sim.py [--iterations 100] [--plots DIR]   (about 3 min on 2 CPU cores)
+    python benchmarks/paper_sim.py [--iterations 100] [--plots DIR]   (about 8 min on 2 CPU cores)
 """
 
 from __future__ import annotations
@@ -22,12 +25,21 @@ import argparse
 from pathlib import Path
 
 from bagualu_plugin.config import builtin_recipes, load_recipe
-from bagualu_plugin.planner import InfeasibleBudget
+from bagualu_plugin.costmodel import param_count
 from bagualu_plugin.report import table
 from bagualu_plugin.sim import routing_trace, simulate
 from bagualu_plugin.sim.trace import bucket
 
-PAPER = {"adapipe": 1.13, "megatron_kuai": 1.14, "mfu": 0.329, "eflops_12288": 2.012, "ablation": (None, 1.16, 1.05, 1.13)}
+PAPER = {
+    "adapipe": 1.13, "megatron_kuai": 1.14, "mfu": 0.329, "eflops_12288": 2.012, "activated": 1.11,
+    "ablation": (None, 1.16, 1.05, 1.13),
+}
+# Fig. 10(a): (preset, top-k, the paper's name); Table II's models route top-6, fewer or more experts
+# per token keep the total and change the activated parameters
+ACTIVATED = [
+    ("glm-319b-a30b", 4, "GLM-319B-A24B"), ("glm-319b-a30b", 6, "GLM-319B-A30B"),
+    ("glm-423b-a30b", 4, "GLM-423B-A24B"), ("glm-423b-a30b", 6, "GLM-423B-A30B"), ("glm-423b-a30b", 8, "GLM-423B-A36B"),
+]
 
 
 def _by_system(result) -> dict:
@@ -55,18 +67,30 @@ def scaling(iterations: int) -> list[dict]:
     return rows
 
 
+def activated_parameters(iterations: int) -> list[dict]:
+    """Fig. 10(a): every system's MFU for the models of `ACTIVATED`, on their preset's layout."""
+    rows = []
+    for name, top_k, label in ACTIVATED:
+        recipe = load_recipe(name)
+        recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"top_k": top_k})})
+        s = _by_system(simulate(recipe, iterations, preset=label))
+        rows.append({"model": label, "active": param_count(recipe.model, active=True), "mfu": {n: o.mfu for n, o in s.items()},
+                     "speedup": s["bagualu"].speedup_vs_best_baseline, "ooms": s["bagualu"].ooms})
+    return rows
+
+
 def sequence_lengths(iterations: int, name: str = "glm-423b-a30b") -> list[dict]:
     """Fig. 10(b): the preset at 4K, 8K and 16K tokens per sequence, on the preset's layout (a
-    length whose micro-batch no plan fits in its budget is reported as not fitting: the paper's
-    longer runs may use another layout, which Table II does not give)."""
+    length whose in-flight forwards cannot all hold their full-recompute minimum M0 is reported
+    as not fitting: the paper's longer runs may use another layout, which Table II does not give)."""
     rows = []
     for seq_len in (4096, 8192, 16384):
         recipe = load_recipe(name)
         recipe = recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"seq_len": seq_len})})
         try:
             mfu = {o.system: o.mfu for o in simulate(recipe, iterations, preset=name).outcomes}
-        except InfeasibleBudget as exc:
-            mfu = {"error": str(exc).split(";")[0]}
+        except ValueError as exc:  # Algorithm 1 cannot start: M0 per chunk forward in flight exceeds the capacity
+            mfu = {"error": str(exc).split(":")[0]}
         rows.append({"seq_len": seq_len, "mfu": mfu})
     return rows
 
@@ -93,6 +117,15 @@ def main() -> None:
          ["EFLOPs at 12,288 devices", f"{rows[-1]['eflops']:.3f}", f"{PAPER['eflops_12288']:.3f}"]],
     ))
 
+    activated = activated_parameters(args.iterations)
+    names = list(activated[0]["mfu"])
+    print("\nFig. 10(a), MFU by activated parameters (simulated)")
+    print(table(["model", "activated", *names, "vs best baseline", "OOMs"],
+                [[r["model"], f"{r['active'] / 1e9:.1f} B", *(f"{r['mfu'][n]:.1%}" for n in names), f"{r['speedup']:.3f}x", r["ooms"]]
+                 for r in activated]))
+    print(f"mean speedup over the best baseline: {sum(r['speedup'] for r in activated) / len(activated):.3f}x "
+          f"(paper: {PAPER['activated']:.2f}x)")
+
     seqs = sequence_lengths(args.iterations)
     systems = list(seqs[0]["mfu"])
     print("\nFig. 10(b), glm-423b-a30b, MFU by sequence length (simulated)")
@@ -118,10 +151,10 @@ def main() -> None:
                 [[a.level, f"{a.tokens_per_s:,.0f}", f"{a.speedup_vs_previous:.3f}x", f"{p:.2f}x" if p else "-"]
                  for a, p in zip(ablation, PAPER["ablation"])]))
     if args.plots:
-        plot(args.plots, rows, seqs, ablation, window, peaks)
+        plot(args.plots, rows, activated, seqs, ablation, window, peaks)
 
 
-def plot(directory: Path, rows: list[dict], seqs: list[dict], ablation, window: dict, peaks: list[float]) -> None:
+def plot(directory: Path, rows: list[dict], activated: list[dict], seqs: list[dict], ablation, window: dict, peaks: list[float]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,13 +184,22 @@ def plot(directory: Path, rows: list[dict], seqs: list[dict], ablation, window: 
     right.set_ylabel("peak token-to-expert imbalance (x balanced)")
     _save(fig, ax, "SIMULATED glm-423b-a30b per-iteration MFU through spikes (Fig. 9)", directory / "fig9.png", loc="lower left")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (left, ax) = plt.subplots(1, 2, figsize=(12, 4))
+    names = list(activated[0]["mfu"])
+    width = 0.8 / len(names)
+    for i, system in enumerate(names):
+        left.bar([x + i * width for x in range(len(activated))], [100 * r["mfu"][system] for r in activated], width, label=system)
+    left.set_xticks([x + 0.4 - width / 2 for x in range(len(activated))], [r["model"][4:] for r in activated], fontsize=8)
+    left.set_ylabel("MFU (%)")
+    left.set_title("(a) activated parameters")
+    left.legend(fontsize=7)
     for system in seqs[0]["mfu"]:
         ax.plot([r["seq_len"] for r in seqs], [100 * r["mfu"][system] for r in seqs], marker="o", label=system)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length")
     ax.set_ylabel("MFU (%)")
-    _save(fig, ax, "SIMULATED glm-423b-a30b (Fig. 10b)", directory / "fig10.png")
+    fig.suptitle("SIMULATED (Fig. 10)")
+    _save(fig, ax, "(b) glm-423b-a30b by sequence length", directory / "fig10.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     base = ablation[0].tokens_per_s

@@ -121,7 +121,7 @@ def test_cluster_preset_matches_table_ii(row: tuple) -> None:
     assert r.gpus == gpus
     assert r.hardware == PRESETS["bagualu2"]
     assert (r.pipeline.rank, r.pipeline.micro_batches, r.batch.seq_len) == (0, 4 * pp, 4096)
-    assert f"VP = {vp} layer" in builtin_recipes()[name].read_text()
+    assert f"VP = {vp} layer" in builtin_recipes()[name].read_text() and r.pipeline.vp == m.num_layers // (pp * vp)
     total, active = (int(x) * 1e9 for x in re.match(r"glm-(\d+)b-a(\d+)b", name).groups())
     assert param_count(m) == pytest.approx(total, rel=0.01)
     assert param_count(m, active=True) == pytest.approx(active, rel=0.01)

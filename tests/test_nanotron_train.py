@@ -29,7 +29,6 @@ from bagualu_plugin.costmodel import ModelDims  # noqa: E402
 from bagualu_plugin.integrations.nanotron.compat import import_nanotron  # noqa: E402
 from bagualu_plugin.integrations.nanotron.config import Config, recipe_for  # noqa: E402
 from bagualu_plugin.integrations.nanotron.train import check_supported  # noqa: E402
-from bagualu_plugin.planner import BudgetState  # noqa: E402
 from bagualu_plugin.stage import Stage  # noqa: E402
 
 M, BATCH, SEQ, STEPS, LAYERS = 4, 2, 16, 2, 4
@@ -128,7 +127,7 @@ def test_each_rank_budgets_by_algorithm_1(pipeline, checkpoint):
         assert len(events) == STEPS * M and all(e["live_after_backward"] is not None for e in events)
         recipe = recipe_for(plugin["config"], rank)
         stage = Stage.of(recipe, model_cost(model, recipe.hardware).stage(pp, rank), split=False)
-        first = BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup).budget(0)
+        first = stage.budgets().budget(0)
         for it in range(STEPS):
             ours = events[it * M : (it + 1) * M]
             assert [e["micro_batch"] for e in ours] == list(range(M))
@@ -235,4 +234,6 @@ def test_dual_batch_is_bitwise_the_unfused_schedule(checkpoint, tmp_path, ep, al
     assert {s for e in unfused["events"][0] for s in e["plan"].values()} == set(allowed)
     points = [e["point"] for e in fused["events"][0] if e["point"]]
     assert len(points) == STEPS * (m - 3) and all(p["recovered"] == p["backward"] + 1 for p in points)
-    assert any(p["cache_hit"] for p in points) and not any(e["point"] for e in unfused["events"][0])
+    assert not any(e["point"] for e in unfused["events"][0])
+    if ep == 1:  # no spikes: plans repeat with the phase, so the schedules are served from the cache
+        assert any(p["cache_hit"] for p in points)

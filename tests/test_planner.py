@@ -2,9 +2,11 @@
 
 import pytest
 
+from bagualu_plugin.config import load_recipe
 from bagualu_plugin.costmodel import BlockGraph, CostModel, LinearForm, OpId, OpSpec, TensorSpec
 from bagualu_plugin.hardware import HardwareSpec
-from bagualu_plugin.planner import BudgetState, InfeasibleBudget, plan_micro_batch
+from bagualu_plugin.planner import BudgetState, InfeasibleBudget, at_gate, escalated, gate_costs, plan_for_gates, plan_micro_batch
+from bagualu_plugin.stage import Stage
 
 
 def test_algorithm_1_by_hand():
@@ -86,8 +88,13 @@ def test_algorithm_2_rejects_conflicting_candidates_and_reports_infeasible_budge
     # Offload only: a is still taken (it frees 800 B of what stays on the device, room for the
     # next offloads; c ties but is later in op order); then c's offload would conflict with b
     # keeping y (case 2 of section V-A): rejected, not applied, and nothing else is left.
-    with pytest.raises(InfeasibleBudget, match=r"budget 1300 bytes .* at best 2000 bytes for 1 tokens"):
+    with pytest.raises(InfeasibleBudget, match=r"budget 1300 bytes .* at best 2000 bytes for 1 tokens") as err:
         plan_micro_batch(cm, 1300, tokens=1, strategies=("offload",))
+    best = err.value.best
+    assert dict(best.plan) == {OpId(0, "a"): "offload"} and best.activation_bytes + best.reload_bytes == 2000
+    # the gates' planning runs that plan rather than stopping: lighter routing than planned may fit
+    gates = plan_for_gates(lambda b: plan_micro_batch(cm, b, tokens=1, strategies=("offload",)), lambda plan: {}, 1300, 0.0, 0.0)
+    assert gates.decision == best and gates.slack == -700 and gates.after == {}
     with pytest.raises(ValueError, match="strategies: unknown"):
         plan_micro_batch(cm, 1100, tokens=1, strategies=("zip",))
 
@@ -105,3 +112,56 @@ def test_cached_planner_serves_repeated_budgets_with_plans_that_fit():
     assert planner.misses == 2
     with pytest.raises(ValueError, match="quanta"):
         CachedPlanner(cm, budget_quantum=0)
+
+
+def test_plans_leave_each_gate_what_it_needs_at_the_heaviest_routing():
+    """GLM-319B-A30B, rank 0, chunk 2 (layer 16 alone, under expert parallelism), at a steady-phase
+    budget of 925 MiB. Algorithm 2 for the normal band (1.2x) leaves 36 MiB, but at a 2.6x spike
+    the escalated layer still grows (the dispatched rows it holds): that plan would overrun.
+    `plan_for_gates` plans again leaving the gate its bytes; the escalated plan at 2.6x then fits."""
+    stage = Stage.of(load_recipe("glm-319b-a30b")).chunk(2)
+    cm, tokens, seq, options = stage.cost, stage.tokens, stage.recipe.batch.seq_len, stage.options
+    (layer,) = cm.moe_layers
+    balanced = tokens * cm.pairs_per_token
+    planned, heaviest, budget = 1.2 * balanced, 2.6 * balanced, 925 << 20
+    strategies = stage.recipe.strategies.allowed
+
+    def plan(b: float):
+        return plan_micro_batch(cm, b, tokens, [planned], seq, strategies, options)
+
+    def costs(p):
+        return gate_costs(cm, p, tokens, seq, planned, options)
+
+    def kept_at_spike(p) -> float:
+        return cm.footprint(tokens, [heaviest], seq, escalated(p, layer), options).needed_bytes
+
+    first = plan(budget)
+    assert budget - first.activation_bytes - first.reload_bytes < costs(first.plan)[layer].escalation_bytes(heaviest, planned)
+    assert kept_at_spike(first.plan) > budget
+    gates = plan_for_gates(plan, costs, budget, planned, heaviest)
+    assert gates.decision.plan != first.plan and gates.after == {layer: 0.0}
+    c = gates.costs[layer]
+    assert gates.slack >= c.escalation_bytes(heaviest, planned) > 0
+    decision = at_gate(heaviest, planned, c.per_pair, c.escalation_bytes(heaviest, planned), gates.slack, 0.0, gates.after[layer])
+    assert decision.action == "escalate" and decision.slack >= 0
+    assert kept_at_spike(gates.decision.plan) <= budget
+    assert plan_for_gates(plan, costs, budget, planned, planned).decision.plan == first.plan  # no spikes to leave room for
+
+
+def test_algorithm_2_reaches_m0_where_its_greedy_stops_above_it():
+    """GLM-423B-A30B at 8K tokens, rank 0's first chunk, at M0 (full recompute at the normal band's
+    routing): the largest reductions first (offloads and casts of the biggest tensors, then what
+    they leave) stop above M0, so Algorithm 2 returns full recompute, which Algorithm 1 guarantees
+    fits; with room to spare the greedy's own mix is the plan."""
+    recipe = load_recipe("glm-423b-a30b")
+    recipe = recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"seq_len": 8192})})
+    stage = Stage.of(recipe).chunk(0)
+    cm, tokens, seq, options = stage.cost, stage.tokens, stage.recipe.batch.seq_len, stage.options
+    routed = 1.2 * tokens * cm.pairs_per_token
+    strategies = stage.recipe.strategies.allowed
+    at_m0 = plan_micro_batch(cm, stage.min_budget, tokens, routed, seq, strategies, options)
+    assert dict(at_m0.plan) == cm.full_recompute() and at_m0.activation_bytes <= stage.min_budget
+    with pytest.raises(InfeasibleBudget):  # without recompute nothing gets there
+        plan_micro_batch(cm, stage.min_budget, tokens, routed, seq, ("offload", "fp8"), options)
+    roomy = plan_micro_batch(cm, 2 * stage.min_budget, tokens, routed, seq, strategies, options)
+    assert dict(roomy.plan) != cm.full_recompute() and roomy.activation_bytes + roomy.reload_bytes <= 2 * stage.min_budget

@@ -98,6 +98,19 @@ def test_gate_decision_by_hand(pairs, decision):
     assert at_gate(pairs, planned=100, bytes_per_pair=2.0, escalation_bytes=-70.0, slack=50.0, headroom=30.0) == decision
 
 
+@pytest.mark.parametrize(
+    "pairs, decision",
+    [
+        # as above, but 20 of the 50 bytes of slack are the later layers' (reserve): 30 usable
+        (115, GateDecision("fits", 0.0, 20.0, 30.0)),  # 30 bytes: exactly the usable slack
+        (130, GateDecision("defer", 30.0, 20.0, 0.0)),  # 60 bytes, 30 over: the headroom; the reserve stays
+        (131, GateDecision("escalate", 32.0, 120.0, 30.0)),
+    ],
+)
+def test_gate_leaves_the_later_layers_reserve(pairs, decision):
+    assert at_gate(pairs, 100, 2.0, -70.0, slack=50.0, headroom=30.0, reserve=20.0) == decision
+
+
 def test_stage_owns_usable_capacity_warmup_and_schedule():
     model = tiny_model("glm4_moe", num_hidden_layers=4)
     recipe = _recipe(model, 10_000_000)

@@ -6,7 +6,16 @@ from .graph import LAYER_OPS, BlockGraph, OpId, OpSpec, TensorSpec
 from .linear import LinearForm, Load
 from .mitigation import MITIGATIONS, STRATEGIES, Footprint, MitigationOptions, footprint
 from .model import CostModel, MitigationCost, OpCost
-from .pipeline import Curve, MicroBatchCost, Step, interleaved_one_f_one_b, iteration_curve, one_f_one_b, warmup_depth
+from .pipeline import (
+    Curve,
+    MicroBatchCost,
+    Step,
+    interleaved_one_f_one_b,
+    iteration_curve,
+    one_f_one_b,
+    release_order,
+    warmup_depth,
+)
 from .roofline import Roofline, crossover
 
 __all__ = [
@@ -14,5 +23,5 @@ __all__ = [
     "Footprint", "LinearForm", "Load", "MLADims", "MicroBatchCost", "MitigationCost",
     "MitigationOptions", "ModelDims", "OpCost", "OpId", "OpSpec", "Parallel", "Roofline", "Step",
     "TensorSpec", "crossover", "footprint", "interleaved_one_f_one_b", "iteration_curve", "one_f_one_b",
-    "param_count", "warmup_depth",
+    "param_count", "release_order", "warmup_depth",
 ]

@@ -268,15 +268,21 @@ class CostModel:
         }
 
     # pipeline stages and static memory ---------------------------------------------------------
-    def stage(self, pp: int, rank: int) -> CostModel:
+    def stage(self, pp: int, rank: int, vp: int = 1, chunks: Sequence[int] | None = None) -> CostModel:
         """The blocks that rank `rank` of a `pp`-stage pipeline holds: an equal share of the
-        decoder layers, the embedding on the first stage, the LM head on the last. A later stage
-        makes the RoPE tables and position ids of its layers itself (`BlockGraph.positions`)."""
+        decoder layers, the embedding on the first stage, the LM head on the last. With `vp`
+        model chunks per rank (interleaved 1F1B), those of `chunks` (default: all the rank's);
+        the embedding belongs to chunk 0 of rank 0, the head to chunk vp - 1 of the last rank. A
+        block set without the embedding makes the RoPE tables and position ids of its layers
+        itself (`BlockGraph.positions`)."""
+        chunks = range(vp) if chunks is None else chunks
         layers = self.layers
-        keep = {layers[i] for i in stage_layers(len(layers), pp, rank)}
-        keep |= {i for i, b in self.blocks.items() if (b.kind == "embed" and rank == 0) or (b.kind == "head" and rank == pp - 1)}
+        keep = {layers[i] for c in chunks for i in stage_layers(len(layers), pp, rank, vp, c)}
+        first, last = rank == 0 and 0 in chunks, rank == pp - 1 and vp - 1 in chunks
+        keep |= {i for i, b in self.blocks.items() if (b.kind == "embed" and first) or (b.kind == "head" and last)}
         blocks = {i: b if i in keep else b.positions() for i, b in self.blocks.items() if i in keep or b.kind == "embed"}
-        return CostModel(blocks, self.hardware, self.pairs_per_token, f"{self.name} stage {rank}/{pp}", self.source)
+        part = f"stage {rank}/{pp}" if vp == 1 else f"stage {rank}/{pp} chunks {','.join(map(str, chunks))}/{vp}"
+        return CostModel(blocks, self.hardware, self.pairs_per_token, f"{self.name} {part}", self.source)
 
     def parameter_counts(self) -> tuple[int, int]:
         """(dense, expert) parameters held on this device."""

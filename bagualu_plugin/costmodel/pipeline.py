@@ -158,16 +158,37 @@ class Curve:
     in_flight_at_peak: int  # micro-batches whose activations are alive at the peak
 
 
-def iteration_curve(costs: Sequence[MicroBatchCost], pp: int, rank: int, base_bytes: float = 0.0) -> Curve:
-    """Memory of one stage through an iteration; `costs[i]` is micro-batch i's triangle on this
-    stage (micro-batches may differ, e.g. in routed pairs); `base_bytes` the non-activation bytes."""
-    steps = one_f_one_b(pp, rank, len(costs))
+def release_order(schedule: Sequence[Step]) -> tuple[int, ...]:
+    """Algorithm 1's release order (§V-A) of a 1F1B-family `schedule`: for each forward after the
+    first backward, the forward (its position among the schedule's forwards) whose activations
+    the one backward run since the previous forward released. Plain 1F1B frees forward
+    k - B_w before forward k; interleaved 1F1B frees the chunk its backward order reaches."""
+    position = {(s.micro_batch, s.chunk): k for k, s in enumerate(x for x in schedule if x.kind == "F")}
+    out, pending, started = [], [], False
+    for step in schedule:
+        if step.kind == "B":
+            pending.append(position[(step.micro_batch, step.chunk)])
+            started = True
+        elif started:
+            if len(pending) != 1:
+                raise ValueError(f"forward {step} follows {len(pending)} backwards: not a 1F1B steady phase")
+            out.append(pending.pop())
+    return tuple(out)
+
+
+def iteration_curve(costs: Sequence[MicroBatchCost], pp: int, rank: int, base_bytes: float = 0.0, vp: int = 1) -> Curve:
+    """Memory of one stage through an iteration; `costs[mb * vp + chunk]` is micro-batch mb's
+    triangle on this stage's chunk (micro-batches may differ, e.g. in routed pairs; vp = 1: one
+    chunk, `costs[mb]`); `base_bytes` the non-activation bytes."""
+    if vp < 1 or len(costs) % vp:
+        raise ValueError(f"need one cost per micro-batch and chunk: {len(costs)} costs for vp={vp}")
+    steps = interleaved_one_f_one_b(pp, rank, len(costs) // vp, vp)
     t, m = 0.0, float(base_bytes)
     times, levels = [t], [m]
     peak = (m, t, steps[0], 0)
     alive = 0
     for step in steps:
-        c = costs[step.micro_batch]
+        c = costs[step.micro_batch * vp + step.chunk]
         if step.kind == "F":
             t, m, alive = t + c.forward_s, m + c.activation_bytes, alive + 1
             if m > peak[0]:

@@ -3,10 +3,10 @@ per-operator mitigation that fits it (Algorithm 2) and the decision at each MoE 
 planning)."""
 
 from .budget import BudgetState
-from .gate import GateDecision, LayerCost, at_gate, escalated, gate_costs
+from .gate import GateDecision, GatePlan, LayerCost, at_gate, escalated, gate_costs, plan_for_gates
 from .greedy import CachedPlanner, Decision, InfeasibleBudget, plan_micro_batch
 
 __all__ = [
-    "BudgetState", "CachedPlanner", "Decision", "GateDecision", "InfeasibleBudget", "LayerCost", "at_gate", "escalated", "gate_costs",
-    "plan_micro_batch",
+    "BudgetState", "CachedPlanner", "Decision", "GateDecision", "GatePlan", "InfeasibleBudget", "LayerCost", "at_gate", "escalated",
+    "gate_costs", "plan_for_gates", "plan_micro_batch",
 ]

@@ -7,7 +7,10 @@ places earlier, and gets all the memory that backward freed. After every forward
 replaced by what the micro-batch really kept, so an estimate that was off does not cascade.
 
 With nanotron's 1F1B, rank r of P runs P - r - 1 forwards before the first steady forward, which
-also runs before any backward: the micro-batches that stack are `warmup = min(P - r, m)`.
+also runs before any backward: the micro-batches that stack are `warmup = min(P - r, m)`. With
+interleaved 1F1B (§VI-A) every forward is one model chunk of a micro-batch, B_w counts chunk
+forwards (`costmodel.pipeline.warmup_depth`), M0 is the largest chunk's, and the backward before a
+steady forward frees the chunk `costmodel.pipeline.release_order` names.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ class BudgetState:
     warmup: int  # B_w
     used: int  # M_used: static bytes plus the budgets (actuals) of live micro-batches
     budgets: tuple[int, ...] = ()  # actual bytes of micro-batches 0..i-1
+    released: tuple[int, ...] | None = None  # forward warmup + j frees released[j]; None: j (plain 1F1B)
 
     @classmethod
-    def start(cls, capacity: int, static_bytes: int, min_budget: int, warmup: int) -> BudgetState:
+    def start(
+        cls, capacity: int, static_bytes: int, min_budget: int, warmup: int, released: tuple[int, ...] | None = None
+    ) -> BudgetState:
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1 micro-batch, got {warmup}")
         if min_budget < 0 or static_bytes < 0:
@@ -38,7 +44,7 @@ class BudgetState:
                 f"micro-batches at the full-recompute minimum M0 = {min_budget} bytes ({-free} bytes short): "
                 "lower the micro-batch size or sequence length, raise pipeline parallelism, or shard more state"
             )
-        return cls(capacity, min_budget, warmup, static_bytes)
+        return cls(capacity, min_budget, warmup, static_bytes, released=released)
 
     def budget(self, i: int) -> int:
         """Bytes micro-batch i's forward may keep (line 5 in warmup, lines 11-12 in steady)."""
@@ -46,7 +52,7 @@ class BudgetState:
         if i < self.warmup:
             r = self.warmup - i
             return (self.capacity - self.used - r * self.min_budget) // r + self.min_budget
-        return self.capacity - (self.used - self.budgets[i - self.warmup])
+        return self.capacity - (self.used - self.budgets[self._freed(i)])
 
     def headroom(self, i: int) -> int:
         """Bytes micro-batch i may keep beyond its budget: in warmup, what the later warmup
@@ -61,9 +67,14 @@ class BudgetState:
         """Replace micro-batch i's budget by what it kept (lines 7-8, 14-15)."""
         self._check(i)
         used = self.used + actual
-        if i >= self.warmup:  # the backward before this forward released micro-batch i - warmup
-            used -= self.budgets[i - self.warmup]
+        if i >= self.warmup:  # the backward before this forward released an earlier one
+            used -= self.budgets[self._freed(i)]
         return replace(self, used=used, budgets=(*self.budgets, actual))
+
+    def _freed(self, i: int) -> int:
+        """The micro-batch whose memory the backward before steady forward i released."""
+        j = i - self.warmup
+        return j if self.released is None else self.released[j]
 
     def _check(self, i: int) -> None:
         if i != len(self.budgets):

@@ -170,7 +170,7 @@ class ScheduleCache:
 
 
 def point_stages(
-    cm: CostModel,
+    cm: CostModel | Sequence[CostModel],
     forward: Mapping[OpId, str],
     backward: Mapping[OpId, str],
     offload: Mapping[OpId, str],
@@ -191,49 +191,59 @@ def point_stages(
     - O: x-1's offload copies of block k, on the copy stream;
     - R: y+1's recovery of the k-th block from the last: its reloads (copy stream), then its
       recompute (compute stream).
-    Consecutive work on one stream is one stage (compaction at the communication ops)."""
-    loads, hw = cm.loads(tokens, routed, seq_len), cm.hardware
+    Consecutive work on one stream is one stage (compaction at the communication ops). `cm` is
+    the stage's cost model, or one per class (F, B, O, R) when the four run different model
+    chunks (interleaved 1F1B); a chunk with fewer blocks gives empty stages at the end."""
+    models = (cm,) * len(CLASSES) if isinstance(cm, CostModel) else tuple(cm)
+    if len(models) != len(CLASSES):
+        raise ValueError(f"give one cost model, or one per class {CLASSES}, got {len(models)}")
+    loads = [model.loads(tokens, routed, seq_len) for model in models]
 
-    def extra(plan: Mapping[OpId, str], i: int, only: str) -> Footprint:
+    def extra(c: int, plan: Mapping[OpId, str], i: int, only: str) -> Footprint:
         mine = {op.name: s for op, s in plan.items() if op.layer == i and s == only}
-        return footprint(cm.blocks[i], mine, loads[i], hw, options)
+        return footprint(models[c].blocks[i], mine, loads[c][i], models[c].hardware, options)
 
     def forward_of(i: int) -> list[StageTime]:
-        stages = [StageTime(compute_s=extra(forward, i, "fp8").forward_extra_s)]
-        for op in cm.blocks[i].ops:
-            t = op.forward_s.at(loads[i])
+        stages = [StageTime(compute_s=extra(0, forward, i, "fp8").forward_extra_s)]
+        for op in models[0].blocks[i].ops:
+            t = op.forward_s.at(loads[0][i])
             stages.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
         return stages
 
     def backward_of(i: int) -> list[StageTime]:
         stages = []
-        for op in reversed(cm.blocks[i].ops):
-            t = op.backward_s.at(loads[i])
+        for op in reversed(models[1].blocks[i].ops):
+            t = op.backward_s.at(loads[1][i])
             stages.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
-        return [*stages, StageTime(compute_s=extra(backward, i, "fp8").backward_extra_s)]
+        return [*stages, StageTime(compute_s=extra(1, backward, i, "fp8").backward_extra_s)]
+
+    def offload_of(i: int) -> list[StageTime]:
+        return [StageTime(copy_s=extra(2, offload, i, "offload").forward_extra_s)]
 
     def recovery_of(i: int) -> list[StageTime]:
-        return [StageTime(copy_s=extra(recovery, i, "offload").backward_extra_s),
-                StageTime(compute_s=extra(recovery, i, "recompute").backward_extra_s)]
+        return [StageTime(copy_s=extra(3, recovery, i, "offload").backward_extra_s),
+                StageTime(compute_s=extra(3, recovery, i, "recompute").backward_extra_s)]
 
-    order = list(cm.blocks)
+    orders = [list(m.blocks) if c in (0, 2) else list(reversed(m.blocks)) for c, m in enumerate(models)]
+    builders = (forward_of, backward_of, offload_of, recovery_of)
     return [
-        [_compact(forward_of(i)), _compact(backward_of(j)), _compact([StageTime(copy_s=extra(offload, i, "offload").forward_extra_s)]),
-         _compact(recovery_of(j))]
-        for i, j in zip(order, reversed(order))
+        [_compact(build(order[k])) if k < len(order) else [] for build, order in zip(builders, orders)]
+        for k in range(max(map(len, orders)))
     ]
 
 
-def executor_stages(cm: CostModel, options: MitigationOptions = MitigationOptions()) -> Callable[[Hashable], list]:
-    """`ScheduleCache`'s stages function for points as the executor runs them (`piece_stages`):
-    a key is (tokens, seq_len, then the sorted plan items of x, y, x-1 and y+1, empty for a
-    micro-batch the point does not touch), routing balanced. The Provisioner's cache and the
-    simulator's (`sim`) both use it."""
+def executor_stages(chunks: Sequence[CostModel], options: MitigationOptions = MitigationOptions()) -> Callable[[Hashable], list]:
+    """`ScheduleCache`'s stages function for points as the executor runs them (`piece_stages`),
+    on a rank holding model `chunks` (one without interleaving): a key is (tokens, seq_len, the
+    chunk each of x, y, x-1 and y+1 runs, then the sorted plan items of x, y, x-1 and y+1, empty
+    for a micro-batch the point does not touch), routing balanced. The Provisioner's cache and
+    the simulator's (`sim`) both use it."""
 
     def stages(key: Hashable) -> list:
-        tokens, seq_len, *plans = key
+        tokens, seq_len, which, *plans = key
         forward, backward, offload, recovery = (dict(plan) for plan in plans)
-        return piece_stages(point_stages(cm, forward, backward, offload, recovery, tokens, seq_len=seq_len, options=options))
+        models = [chunks[c] for c in which]
+        return piece_stages(point_stages(models, forward, backward, offload, recovery, tokens, seq_len=seq_len, options=options))
 
     return stages
 

@@ -5,12 +5,20 @@ slack left under the budget, nothing changes. In warmup the later warmup micro-b
 bytes up (their budgets shrink after this forward, each keeping M0): that headroom absorbs the
 overrun before anything is recomputed. Otherwise the layer's routed experts are recomputed as one
 unit, which keeps nothing per routed pair in one process (under expert parallelism it holds the
-rows dispatch received, so the caller prices it at the pairs that arrived: `gate_costs`). Pure
-arithmetic: numbers in, a decision out; the Provisioner and the simulator (`sim`) both call it.
+rows dispatch received, so the caller prices it at the pairs that arrived: `gate_costs`).
+
+Escalation bounds a layer's growth but need not remove it: under expert parallelism the held rows
+still grow with the pairs, and a plan that already mitigates the experts saves little more. So
+`plan_for_gates` plans the normal band at a budget that leaves every MoE layer's gate the bytes it
+may need once escalated at the heaviest routing the recipe allows (`spikes.spike_max_imbalance`),
+and a gate keeps the later layers' share untouched: a micro-batch then stays within its budget up
+to that routing, in steady phase too, where no later warmup micro-batch can give bytes up.
+Pure arithmetic: numbers in, a decision out; the Provisioner and the simulator (`sim`) both call it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -18,6 +26,7 @@ from ..costmodel.graph import EXPERT_OPS, OpId
 from ..costmodel.mitigation import MitigationOptions, footprint
 from ..costmodel.model import CostModel
 from ..costmodel.plan import Plan
+from .greedy import Decision, InfeasibleBudget
 
 
 @dataclass(frozen=True)
@@ -29,17 +38,19 @@ class GateDecision:
 
 
 def at_gate(
-    pairs: float, planned: float, bytes_per_pair: float, escalation_bytes: float, slack: float, headroom: float
+    pairs: float, planned: float, bytes_per_pair: float, escalation_bytes: float, slack: float, headroom: float, reserve: float = 0.0
 ) -> GateDecision:
     """What to do when `pairs` local routed pairs reach a layer planned for `planned`.
     `escalation_bytes`: what the layer keeps with its experts recomputed and `pairs` arrived,
-    minus what its plan keeps at `planned` pairs (negative: it saves)."""
+    minus what its plan keeps at `planned` pairs (negative: it saves); `reserve`: the part of
+    the slack the later layers' gates may need (`GatePlan.after`), which this one leaves alone."""
     extra = (pairs - planned) * bytes_per_pair
-    if extra <= slack:  # fewer pairs than planned give nothing back: the plan's estimate stands
+    usable = slack - reserve
+    if extra <= usable:  # fewer pairs than planned give nothing back: the plan's estimate stands
         return GateDecision("fits", 0.0, slack - max(extra, 0.0), headroom)
-    overrun = extra - slack
+    overrun = extra - usable
     if overrun <= headroom:
-        return GateDecision("defer", overrun, 0.0, headroom - overrun)
+        return GateDecision("defer", overrun, reserve, headroom - overrun)
     return GateDecision("escalate", overrun, slack - escalation_bytes, headroom)
 
 
@@ -84,3 +95,51 @@ def gate_costs(
             (kept(layer, up, planned + step) - recomputed) / step,
         )
     return costs
+
+
+@dataclass(frozen=True)
+class GatePlan:
+    """A micro-batch's plan for the normal band and what its gates weigh: per MoE layer its
+    `LayerCost`, and `after[layer]`, the bytes the later layers' gates may need (`at_gate`'s
+    `reserve`)."""
+
+    decision: Decision
+    costs: Mapping[int, LayerCost]
+    after: Mapping[int, float]
+    slack: float  # the budget less what the plan keeps and its reload room
+
+
+def plan_for_gates(
+    plan: Callable[[float], Decision], costs: Callable[[Plan], Mapping[int, LayerCost]], budget: float, planned: float, heaviest: float
+) -> GatePlan:
+    """Algorithm 2 for the normal band (`plan(budget)`, at `planned` local pairs per MoE layer),
+    at a budget that leaves each layer's gate what it may need once escalated at `heaviest`
+    pairs: max(0, `LayerCost.escalation_bytes`). When the first plan leaves less, Algorithm 2
+    runs again at the budget less those bytes; as the plan mitigates more the escalations save
+    less, so this repeats until a plan leaves its own gates' bytes (each round's needs exceed the
+    last's, and plans are finitely many). If the budget cannot hold that much, the last plan is
+    the best there is: its gates escalate and the overrun is the caller's to report. If no plan
+    fits the budget even at `planned` pairs, the plan is the most Algorithm 2 can save
+    (`InfeasibleBudget.best`, its slack negative): lighter routing than planned may still fit."""
+    try:
+        decision = plan(budget)
+    except InfeasibleBudget as exc:
+        decision = exc.best
+    while True:
+        layer_costs = costs(decision.plan)
+        need = {layer: max(0.0, c.escalation_bytes(heaviest, planned)) for layer, c in layer_costs.items()}
+        slack = budget - decision.activation_bytes - decision.reload_bytes
+        if slack >= sum(need.values()) or heaviest <= planned:
+            break
+        try:
+            tighter = plan(budget - sum(need.values()))
+        except InfeasibleBudget:
+            break
+        if tighter.plan == decision.plan:
+            break
+        decision = tighter
+    after, later = {}, 0.0
+    for layer in sorted(need, reverse=True):
+        after[layer] = later
+        later += need[layer]
+    return GatePlan(decision, layer_costs, after, slack)

@@ -4,9 +4,13 @@ Start with nothing mitigated; while the micro-batch would need more than its bud
 keeps, and room for its backward to bring its offloaded copies back: `Footprint.needed_bytes`), apply the
 single (op, strategy) candidate with the largest memory reduction on the current plan (a
 reduction is re-evaluated after every choice: recomputing an op makes offloading what it made
-pointless). A candidate that would conflict with what is already applied (§V-A, cases 1 and 2) is
-marked unavailable rather than undoing the earlier, larger reduction. Recompute candidates are
-recompute units (`CostModel.recompute_unit`). Pure arithmetic over a `CostModel`.
+pointless). A candidate that would conflict with what is already applied (§V-A, cases 1 and 2)
+is marked unavailable rather than undoing the earlier, larger reduction. Recompute candidates
+are recompute units (`CostModel.recompute_unit`). The greedy's choices need not reach what
+full recompute keeps (M0, which Algorithm 1 guarantees: under expert parallelism a mix of
+offloads and casts of the largest tensors can stop above it), so where recompute is allowed
+and the greedy ends over the budget, full recompute is the plan if it fits. Pure arithmetic
+over a `CostModel`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,12 @@ from ..costmodel.plan import Plan
 
 
 class InfeasibleBudget(RuntimeError):
-    """No mitigation the plan may use brings the micro-batch under its budget."""
+    """No mitigation the plan may use brings the micro-batch under its budget; `best` is the
+    plan Algorithm 2 reached, the most it can save."""
+
+    def __init__(self, message: str, best: Decision):
+        super().__init__(message)
+        self.best = best
 
 
 @dataclass(frozen=True)
@@ -88,11 +97,7 @@ def plan_micro_batch(
             if useful and (best is None or (reduction, freed, -added) > best[0]):
                 best = ((reduction, freed, -added), ops, strategy, block_plan, trial_parts, trial_holding, cost)
         if best is None:
-            raise InfeasibleBudget(
-                f"budget {budget:.0f} bytes is below what any plan of {', '.join(strategies)} keeps: at best "
-                f"{current.needed_bytes:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
-                "in-flight micro-batches) or allow more strategies"
-            )
+            break
         _, ops, strategy, block_plan, trial_parts, trial_holding, cost = best
         trial = {**plan, **dict.fromkeys(ops, strategy)}
         if conflicts(Plan(trial), cm):  # the applied plan has none: only conflict-free trials apply
@@ -100,7 +105,23 @@ def plan_micro_batch(
             continue
         plan, parts, holding, current, steps = trial, trial_parts, trial_holding, cost, steps + 1
         plans[ops[0].layer] = block_plan
-    return Decision(Plan(plan), current.device_bytes, current.reload_bytes, current.forward_extra_s, current.backward_extra_s, steps)
+    if current.needed_bytes > budget and "recompute" in strategies:
+        whole = cm.full_recompute()
+        cost = cm.footprint(tokens, routed, seq_len, whole, options)
+        if cost.needed_bytes <= budget:
+            return _decision(whole, cost, steps)
+    if current.needed_bytes > budget:
+        raise InfeasibleBudget(
+            f"budget {budget:.0f} bytes is below what any plan of {', '.join(strategies)} keeps: at best "
+            f"{current.needed_bytes:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
+            "in-flight micro-batches) or allow more strategies",
+            _decision(plan, current, steps),
+        )
+    return _decision(plan, current, steps)
+
+
+def _decision(plan: dict[OpId, str], cost: Footprint, steps: int) -> Decision:
+    return Decision(Plan(plan), cost.device_bytes, cost.reload_bytes, cost.forward_extra_s, cost.backward_extra_s, steps)
 
 
 class CachedPlanner:
@@ -132,8 +153,13 @@ class CachedPlanner:
         if decision is None:
             self.misses += 1
             floor = key[0] * self.budget_quantum
-            decision = plan_micro_batch(self.cm, floor, tokens, pairs, seq_len, self.strategies, self.options)
+            try:
+                decision = plan_micro_batch(self.cm, floor, tokens, pairs, seq_len, self.strategies, self.options)
+            except InfeasibleBudget as exc:
+                decision = exc
             self._cache[key] = decision
         else:
             self.hits += 1
+        if isinstance(decision, InfeasibleBudget):
+            raise decision
         return decision

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -31,7 +32,7 @@ from ..adapters.gate import GateMonitor
 from ..config import Recipe
 from ..costmodel import CostModel
 from ..costmodel.plan import Plan
-from ..planner import BudgetState, CachedPlanner, LayerCost, at_gate, escalated, gate_costs
+from ..planner import CachedPlanner, GatePlan, LayerCost, at_gate, escalated, gate_costs, plan_for_gates
 from ..planner.dual_batch import ScheduleCache, executor_stages
 from ..stage import Stage
 from .ledger import Ledger
@@ -92,7 +93,7 @@ class _Forward:
 
     event: Event
     planned: float  # local routed pairs per MoE layer the plan was made for
-    costs: dict[int, LayerCost]
+    gates: GatePlan  # what each MoE layer's gate weighs
     slack: float  # bytes it may still add under its budget
     headroom: float  # bytes later warmup micro-batches can still give up
     hooks: ExitStack  # the plan's hooks and the gate monitor, entered
@@ -142,7 +143,7 @@ class Provisioner:
         _check_expert_group(adapter, recipe)
         self.stage = Stage.of(recipe, cost or model_cost(model, recipe.hardware), split=False)
         stage = self.stage
-        self._first = BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup)
+        self._first = stage.budgets()
         self.budgets = self._first
         # the schedule's phase of each forward: 1F1B's steady phase starts one forward before
         # Algorithm 1's does (that forward also runs before any backward, so it is budgeted as warmup)
@@ -155,7 +156,7 @@ class Provisioner:
             strategies=recipe.strategies.allowed,
             options=stage.options,
         )
-        self.schedules = ScheduleCache(executor_stages(stage.cost, stage.options))  # fused points' orders (runtime.dual_batch)
+        self.schedules = ScheduleCache(executor_stages(stage.chunks, stage.options))  # fused points' orders (runtime.dual_batch)
         self.runtime = PlanRuntime(
             model,
             options=stage.options,
@@ -207,34 +208,49 @@ class Provisioner:
                     "the engine, and that end_backward is called"
                 )
         budget = self.budgets.budget(mb)
-        # plan for the common case (97.1% of iterations stay under normal_max_imbalance, §II-B);
-        # heavier routing is caught at the gate
-        planned = tokens * self.stage.cost.pairs_per_token * self.recipe.spikes.normal_max_imbalance
-        decision = self.planner.plan(budget, tokens, [planned] * len(self.stage.cost.moe_layers), seq_len)
+        # plan for the common case (97.1% of iterations stay under normal_max_imbalance, §II-B),
+        # leaving each gate what it needs to catch routing up to spike_max_imbalance
+        pairs = tokens * self.stage.cost.pairs_per_token
+        spikes = self.recipe.spikes
+        planned = pairs * spikes.normal_max_imbalance
+        routed = [planned] * len(self.stage.cost.moe_layers)
+        gates = plan_for_gates(
+            lambda b: self.planner.plan(b, tokens, routed, seq_len), lambda plan: self._gate_costs(plan, tokens, seq_len, planned),
+            budget, planned, pairs * spikes.spike_max_imbalance,
+        )
+        decision = gates.decision
+        if gates.slack < 0:
+            warnings.warn(
+                f"micro-batch {mb}: its budget of {budget} bytes is below what any plan keeps at the normal band's routing "
+                f"({decision.activation_bytes + decision.reload_bytes:.0f} bytes): it runs the most mitigated plan, which "
+                "fits only lighter routing; raise the capacity or the pipeline degree, or shorten the micro-batch",
+                RuntimeWarning, stacklevel=2,
+            )
         self.runtime.set_plan(decision.plan)
-        key = (tuple(sorted(decision.plan.items())), tokens, seq_len)
-        if key not in self._layer_costs:  # as few as the planner's cached decisions
-            self._layer_costs[key] = gate_costs(self.stage.cost, decision.plan, tokens, seq_len, planned, self.stage.options)
         plan = {str(op): s for op, s in sorted(decision.plan.items())}
         event = Event(mb, scheduled, budget, decision.activation_bytes, plan, [], [], tokens, seq_len, decision.reload_bytes)
         self.ledger.micro_batch = mb
         hooks = ExitStack()
         hooks.enter_context(self.runtime.forward())
         hooks.enter_context(self.gate)
-        self._forward = _Forward(
-            event, planned, self._layer_costs[key], budget - decision.activation_bytes - decision.reload_bytes,
-            self.budgets.headroom(mb), hooks
-        )
+        self._forward = _Forward(event, planned, gates, gates.slack, self.budgets.headroom(mb), hooks)
         event.planner_s = time.perf_counter() - start
+
+    def _gate_costs(self, plan: Plan, tokens: int, seq_len: int, planned: float) -> dict[int, LayerCost]:
+        key = (tuple(sorted(plan.items())), tokens, seq_len)
+        if key not in self._layer_costs:  # as few as the planner's cached decisions
+            self._layer_costs[key] = gate_costs(self.stage.cost, plan, tokens, seq_len, planned, self.stage.options)
+        return self._layer_costs[key]
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
         """Deferred planning: the experts of `layer` have not run yet (`planner.at_gate`)."""
         f = self._forward
-        if f is None or layer not in f.costs:
+        if f is None or layer not in f.gates.costs:
             return
         pairs = int(local_pairs)  # one host sync per MoE layer
-        cost = f.costs[layer]
-        decision = at_gate(pairs, f.planned, cost.per_pair, cost.escalation_bytes(pairs, f.planned), f.slack, f.headroom)
+        cost = f.gates.costs[layer]
+        escalation = cost.escalation_bytes(pairs, f.planned)
+        decision = at_gate(pairs, f.planned, cost.per_pair, escalation, f.slack, f.headroom, f.gates.after[layer])
         f.slack, f.headroom = decision.slack, decision.headroom
         if decision.action == "defer":
             f.event.deferred.append(Deferral(layer, pairs, decision.overrun))

@@ -1,9 +1,12 @@
 """One training iteration of the whole pipeline as a discrete-event simulation (paper §IV-A,
-§VI): every rank runs its 1F1B order (`costmodel.pipeline.one_f_one_b`, nanotron's), one
-operation at a time. F(mb) on rank r starts when r is free and F(mb) has finished on r - 1 and
-its activations have crossed the P2P link; B(mb) on r when r is free and B(mb) has finished on
-r + 1 and its gradients have crossed back (the last rank's B(mb) follows its own F(mb) in its
-order). Memory is judged separately, by the same order (`costmodel.iteration_curve`).
+§VI): every rank runs its 1F1B order (`costmodel.pipeline.interleaved_one_f_one_b`: nanotron's
+plain order at vp = 1, Megatron-LM's interleaved one with vp model chunks per rank), one
+operation at a time. F(mb, c) on rank r starts when r is free and F(mb, c) has finished on
+r - 1 and its activations have crossed the P2P link (on rank 0, F(mb, c - 1) on the last rank:
+chunks wrap around the ring); B(mb, c) on r when r is free and B(mb, c) has finished on r + 1
+and its gradients have crossed back (on the last rank, B(mb, c + 1) on rank 0; the last
+chunk's backward follows its own forward there). Memory is judged separately, by the same
+order (`costmodel.iteration_curve`).
 """
 
 from __future__ import annotations
@@ -12,17 +15,38 @@ from collections.abc import Sequence
 
 from ..config import Recipe
 from ..costmodel.dims import DTYPE_BYTES
-from ..costmodel.pipeline import one_f_one_b
+from ..costmodel.pipeline import interleaved_one_f_one_b
 
 
-def iteration_time(forward_s: Sequence[Sequence[float]], backward_s: Sequence[Sequence[float]], p2p_s: float) -> float:
-    """Seconds from the first forward to the last backward: `forward_s[r][mb]`, `backward_s[r][mb]`
-    are rank r's operation times, `p2p_s` the transfer of one micro-batch between neighbours."""
-    pp, m = len(forward_s), len(forward_s[0])
-    orders = [one_f_one_b(pp, r, m) for r in range(pp)]
-    f_end: list[list[float | None]] = [[None] * m for _ in range(pp)]
-    b_end: list[list[float | None]] = [[None] * m for _ in range(pp)]
+def iteration_time(forward_s: Sequence[Sequence[float]], backward_s: Sequence[Sequence[float]], p2p_s: float, vp: int = 1) -> float:
+    """Seconds from the first forward to the last backward: `forward_s[r][mb * vp + c]`,
+    `backward_s[r][mb * vp + c]` are rank r's operation times on chunk c of micro-batch mb,
+    `p2p_s` the transfer of one micro-batch between neighbours."""
+    pp, units = len(forward_s), len(forward_s[0])
+    m = units // vp
+    orders = [interleaved_one_f_one_b(pp, r, m, vp) for r in range(pp)]
+    f_end: list[list[float | None]] = [[None] * units for _ in range(pp)]
+    b_end: list[list[float | None]] = [[None] * units for _ in range(pp)]
     free, nxt = [0.0] * pp, [0] * pp
+
+    def ready(step, r: int) -> float | None:
+        """When `step`'s input is on rank r (None: not yet produced)."""
+        mb, c = step.micro_batch, step.chunk
+        if step.kind == "F":
+            if r > 0:
+                src = f_end[r - 1][mb * vp + c]
+            elif c > 0:
+                src = f_end[pp - 1][mb * vp + c - 1]
+            else:
+                return 0.0
+        elif r < pp - 1:
+            src = b_end[r + 1][mb * vp + c]
+        elif c < vp - 1:
+            src = b_end[0][mb * vp + c + 1]
+        else:
+            return f_end[r][mb * vp + c]
+        return None if src is None else src + p2p_s
+
     left = sum(len(o) for o in orders)
     while left:
         moved = False
@@ -30,18 +54,12 @@ def iteration_time(forward_s: Sequence[Sequence[float]], backward_s: Sequence[Se
             order = orders[r]
             while nxt[r] < len(order):
                 step = order[nxt[r]]
-                mb = step.micro_batch
-                if step.kind == "F":
-                    dep = 0.0 if r == 0 else f_end[r - 1][mb]
-                    ready = dep if r == 0 or dep is None else dep + p2p_s
-                    took, ends = forward_s[r][mb], f_end[r]
-                else:
-                    dep = f_end[r][mb] if r == pp - 1 else b_end[r + 1][mb]
-                    ready = dep if r == pp - 1 or dep is None else dep + p2p_s
-                    took, ends = backward_s[r][mb], b_end[r]
-                if ready is None:
+                start = ready(step, r)
+                if start is None:
                     break
-                ends[mb] = free[r] = max(free[r], ready) + took
+                unit = step.micro_batch * vp + step.chunk
+                took, ends = (forward_s, f_end) if step.kind == "F" else (backward_s, b_end)
+                ends[r][unit] = free[r] = max(free[r], start) + took[r][unit]
                 nxt[r] += 1
                 left -= 1
                 moved = True

@@ -13,6 +13,7 @@ second, restarts included, as §VI-A does.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,12 +58,14 @@ class Simulation:
     outcomes: list[Outcome]
     ablation: list[Level]
     decision_s: float  # BaGuaLu's decisions per iteration, the slowest rank's, mean over the run
+    decision_median_s: float  # its median: an iteration once the plan and schedule caches are warm
     decision_max_s: float
 
     def to_json(self) -> dict:
         return {"preset": self.preset, "simulated": True, "iterations": self.iterations, "seed": self.seed,
                 "systems": [asdict(o) for o in self.outcomes], "ablation": [asdict(a) for a in self.ablation],
-                "decision_s_per_iteration": self.decision_s, "decision_max_s_per_iteration": self.decision_max_s}
+                "decision_s_per_iteration": self.decision_s, "decision_median_s_per_iteration": self.decision_median_s,
+                "decision_max_s_per_iteration": self.decision_max_s}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -89,7 +92,7 @@ def fits(ranks: list[Rank], micro_batches: list[list[MicroBatch]]) -> bool:
     pp = len(ranks)
     for r, (rank, mbs) in enumerate(zip(ranks, micro_batches)):
         costs = [MicroBatchCost(mb.forward_s, mb.backward_s, mb.held_bytes) for mb in mbs]
-        if iteration_curve(costs, pp, r, rank.stage.static_bytes).peak_bytes > rank.stage.capacity:
+        if iteration_curve(costs, pp, r, rank.stage.static_bytes, len(rank.costs)).peak_bytes > rank.stage.capacity:
             return False
     return True
 
@@ -103,7 +106,8 @@ def _run(system: System, ranks: list[Rank], trace: Trace, p2p_s: float) -> list[
         while True:
             mbs = system.iteration(it)
             if fits(ranks, mbs):
-                t = iteration_time([[m.forward_s for m in r] for r in mbs], [[m.backward_s for m in r] for r in mbs], p2p_s)
+                forward, backward = ([[getattr(m, f) for m in r] for r in mbs] for f in ("forward_s", "backward_s"))
+                t = iteration_time(forward, backward, p2p_s, len(ranks[0].costs))
                 timeline.append((t, crashes))
                 break
             crashes += 1
@@ -148,4 +152,4 @@ def simulate(recipe: Recipe, iterations: int = 100, seed: int | None = None, pre
         previous = rate
     decisions = every[0].decision_s  # bagualu's
     seed = recipe.spikes.seed if seed is None else seed
-    return Simulation(preset, iterations, seed, outcomes, levels, sum(decisions) / len(decisions), max(decisions))
+    return Simulation(preset, iterations, seed, outcomes, levels, statistics.mean(decisions), statistics.median(decisions), max(decisions))

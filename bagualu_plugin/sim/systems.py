@@ -25,9 +25,19 @@ from dataclasses import dataclass, replace
 
 from ..config import Recipe
 from ..costmodel import OpId
-from ..costmodel.pipeline import fused_points
+from ..costmodel.pipeline import Step, fused_points
 from ..costmodel.plan import Plan
-from ..planner import BudgetState, CachedPlanner, InfeasibleBudget, LayerCost, at_gate, escalated, gate_costs, plan_micro_batch
+from ..planner import (
+    BudgetState,
+    CachedPlanner,
+    InfeasibleBudget,
+    LayerCost,
+    at_gate,
+    escalated,
+    gate_costs,
+    plan_for_gates,
+    plan_micro_batch,
+)
 from ..planner.dual_batch import ScheduleCache, executor_stages
 from ..stage import Stage
 from .costs import MicroBatch, PlanCosts, StageCosts
@@ -38,16 +48,17 @@ SYSTEMS = ("bagualu", "adapipe_like", "megatron_kuai_like", "static_under", "ful
 
 @dataclass(frozen=True)
 class Rank:
-    """One pipeline rank: its stage, its memoised costs and where its MoE layers are in the trace."""
+    """One pipeline rank: its stage and, per model chunk (one without interleaving), the chunk's
+    memoised costs and where its MoE layers are in the trace. Its micro-batch costs are listed
+    as the simulation's are, chunk c of micro-batch mb at mb * vp + c."""
 
     stage: Stage
-    costs: StageCosts
-    positions: tuple[int, ...]
+    costs: tuple[StageCosts, ...]
+    positions: tuple[tuple[int, ...], ...]
 
-    @property
-    def first_budgets(self) -> BudgetState:
-        s = self.stage
-        return BudgetState.start(s.capacity, s.static_bytes, s.min_budget, s.warmup)
+    def imbalance(self, trace: Trace, it: int, mb: int) -> list[tuple[float, ...]]:
+        """Per chunk, the routing of its MoE layers in micro-batch `mb` of iteration `it`."""
+        return [trace.of(it, mb, p) for p in self.positions]
 
 
 def ranks(recipe: Recipe, trace: Trace) -> list[Rank]:
@@ -55,7 +66,8 @@ def ranks(recipe: Recipe, trace: Trace) -> list[Rank]:
     out = []
     for r in range(recipe.pipeline.pp):
         stage = Stage.of(recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"rank": r})}))
-        out.append(Rank(stage, StageCosts(stage), trace.positions(stage.cost.moe_layers)))
+        chunks = [stage.chunk(c) for c in range(len(stage.chunks))]
+        out.append(Rank(stage, tuple(StageCosts(c) for c in chunks), tuple(trace.positions(c.cost.moe_layers) for c in chunks)))
     return out
 
 
@@ -87,30 +99,34 @@ class Static(System):
         self.strategies, self.fallback = strategies, fallback
         self.plans = self._plans(strategies, imbalance or ranks[0].stage.recipe.spikes.normal_max_imbalance)
 
-    def _plans(self, strategies: Sequence[str] | None, imbalance: float) -> list[PlanCosts]:
-        return [r.costs.under(static_plan(r, strategies, imbalance)) for r in self.ranks]
+    def _plans(self, strategies: Sequence[str] | None, imbalance: float) -> list[list[PlanCosts]]:
+        return [[c.under(static_plan(c, r.stage, strategies, imbalance)) for c in r.costs] for r in self.ranks]
 
     def iteration(self, it: int) -> list[list[MicroBatch]]:
         micro_batches = range(len(self.trace.imbalance[it]))
-        return [[costs.at(self.trace.of(it, mb, r.positions)) for mb in micro_batches] for r, costs in zip(self.ranks, self.plans)]
+        return [
+            [costs.at(x) for mb in micro_batches for costs, x in zip(plans, r.imbalance(self.trace, it, mb))]
+            for r, plans in zip(self.ranks, self.plans)
+        ]
 
     def after_crash(self, observed: float) -> bool:
         if self.fallback is None:
             return False
-        before = [c.plan for c in self.plans]
+        before = [[_items(c.plan) for c in plans] for plans in self.plans]
         self.plans = self._plans(self.strategies if self.fallback == "observed" else None, observed)
-        return [_items(c.plan) for c in self.plans] != [_items(p) for p in before]
+        return [[_items(c.plan) for c in plans] for plans in self.plans] != before
 
 
-def static_plan(rank: Rank, strategies: Sequence[str] | None, imbalance: float) -> Plan:
-    """Algorithm 2's plan (of `strategies`; None: full recompute) for routing `imbalance` x
-    balanced at the stage's first Algorithm 1 budget, the even share of the warmup stack."""
-    s = rank.stage
+def static_plan(costs: StageCosts, rank: Stage, strategies: Sequence[str] | None, imbalance: float) -> Plan:
+    """Algorithm 2's plan for one model chunk (`costs`; the rank's blocks without interleaving)
+    of `strategies` (None: full recompute) for routing `imbalance` x balanced at the rank's first
+    Algorithm 1 budget, the even share of the warmup stack."""
+    s = costs.stage
     if strategies is None:
         return Plan(s.cost.full_recompute())
-    routed = [rank.costs.balanced * imbalance] * len(s.cost.moe_layers)
+    routed = [costs.balanced * imbalance] * len(s.cost.moe_layers)
     try:
-        return plan_micro_batch(s.cost, rank.first_budgets.budget(0), s.tokens, routed, s.recipe.batch.seq_len, strategies, s.options).plan
+        return plan_micro_batch(s.cost, rank.budgets().budget(0), s.tokens, routed, s.recipe.batch.seq_len, strategies, s.options).plan
     except InfeasibleBudget:
         return Plan(s.cost.full_recompute())
 
@@ -118,7 +134,8 @@ def static_plan(rank: Rank, strategies: Sequence[str] | None, imbalance: float) 
 class BaGuaLu(System):
     """BaGuaLu-2 (§V): what the Provisioner decides per micro-batch, and §V-B's fused points
     (`fused=False`: without them, the ablation's L3). `decision_s` holds, per iteration, the
-    slowest rank's decision time (budgets, plans, gates, schedules: §VI-D's runtime overhead)."""
+    slowest rank's decision time (budgets, plans, gates, schedules: §VI-D's runtime overhead; not
+    the simulation's own pricing of what the decisions keep, which a real run measures)."""
 
     def __init__(self, ranks: Sequence[Rank], trace: Trace, fused: bool = True, name: str = "bagualu"):
         self.name, self.ranks, self.trace = name, list(ranks), trace
@@ -126,75 +143,109 @@ class BaGuaLu(System):
         self.decision_s: list[float] = []
 
     def iteration(self, it: int) -> list[list[MicroBatch]]:
-        out, slowest = [], 0.0
-        for d in self._deciders:
-            start = time.perf_counter()
-            out.append(d.iteration(self.trace, it))
-            slowest = max(slowest, time.perf_counter() - start)
-        self.decision_s.append(slowest)
-        return out
+        out, spent = zip(*(d.iteration(self.trace, it) for d in self._deciders))
+        self.decision_s.append(max(spent))
+        return list(out)
 
 
 class _Decider:
-    """One rank's Provisioner arithmetic (`runtime.provisioner`), without a model."""
+    """One rank's Provisioner arithmetic (`runtime.provisioner`), without a model; with vp > 1
+    every chunk forward is one Algorithm 1 step and planned on its chunk's cost model."""
 
     def __init__(self, rank: Rank, fused: bool = True):
         s = self.stage = rank.stage
-        self.rank, self.first = rank, rank.first_budgets
-        balanced = rank.costs.balanced
+        self.rank, self.vp = rank, len(rank.costs)
+        balanced = rank.costs[0].balanced
         self.planned = balanced * s.recipe.spikes.normal_max_imbalance
-        self.planner = CachedPlanner(  # the Provisioner's cache buckets: 1/16 of M0 and of the balanced routing
-            s.cost, budget_quantum=max(1, s.min_budget // 16), routed_quantum=max(1, int(balanced) // 16),
-            strategies=s.recipe.strategies.allowed, options=s.options,
-        )
+        self.heaviest = balanced * s.recipe.spikes.spike_max_imbalance
+        self.planners = [  # the Provisioner's cache buckets: 1/16 of M0 and of the balanced routing
+            CachedPlanner(
+                c.cm, budget_quantum=max(1, s.min_budget // 16), routed_quantum=max(1, int(balanced) // 16),
+                strategies=s.recipe.strategies.allowed, options=s.options,
+            )
+            for c in rank.costs
+        ]
         self.gates: dict[tuple, dict[int, LayerCost]] = {}
-        self.schedules = ScheduleCache(executor_stages(s.cost, s.options)) if fused and s.recipe.pipeline.pp > 2 else None
-        self.points = _points(s)
+        self.schedules = ScheduleCache(executor_stages(s.chunks, s.options)) if fused and s.recipe.pipeline.pp > 2 else None
+        self.forwards = [(f.micro_batch, f.chunk) for f in s.schedule if f.kind == "F"]
+        self.points = _points(s.schedule)
 
-    def iteration(self, trace: Trace, it: int) -> list[MicroBatch]:
-        s, costs = self.stage, self.rank.costs
+    def iteration(self, trace: Trace, it: int) -> tuple[list[MicroBatch], float]:
+        """The rank's micro-batch costs in iteration `it`, and the seconds its decisions took."""
+        s, vp = self.stage, self.vp
         seq_len = s.recipe.batch.seq_len
-        budgets, plans, out = self.first, [], []
-        for mb in range(s.recipe.pipeline.micro_batches):
-            imbalance = trace.of(it, mb, self.rank.positions)
-            plan = self._plan(budgets, mb, imbalance)
-            cost = costs.under(plan).at(imbalance)
-            budgets = budgets.after_forward(mb, round(cost.held_bytes))
-            plans.append(plan)
-            out.append(cost)
+        budgets, plans, spent = self.stage.budgets(), {}, 0.0
+        out: list[MicroBatch | None] = [None] * len(self.forwards)
+        for k, (mb, c) in enumerate(self.forwards):
+            imbalance = trace.of(it, mb, self.rank.positions[c])
+            start = time.perf_counter()
+            plan = self._plan(budgets, k, c, imbalance)
+            spent += time.perf_counter() - start
+            cost = self.rank.costs[c].under(plan).at(imbalance)  # what the Ledger would measure
+            start = time.perf_counter()
+            budgets = budgets.after_forward(k, round(cost.held_bytes))
+            plans[mb, c] = _items(plan)
+            spent += time.perf_counter() - start
+            out[mb * vp + c] = cost
         if self.schedules is not None:
-            for x, y in self.points:
-                key = (s.tokens, seq_len, *(_items(plans[mb]) for mb in (x, y, x - 1)), _items(plans[y + 1]) if y + 1 < x - 1 else ())
-                schedule = self.schedules.get(key)
+            for (x, y, o, r) in self.points:
+                start = time.perf_counter()
+                which = tuple(unit[1] if unit else 0 for unit in (x, y, o, r))
+                schedule = self.schedules.get((s.tokens, seq_len, which, *(plans[unit] if unit else () for unit in (x, y, o, r))))
+                spent += time.perf_counter() - start
                 if schedule.serial_s > 0:
                     factor = schedule.time_s / schedule.serial_s
-                    out[x] = replace(out[x], forward_s=out[x].forward_s * factor)
-                    out[y] = replace(out[y], backward_s=out[y].backward_s * factor)
-        return out
+                    fx, by = x[0] * vp + x[1], y[0] * vp + y[1]
+                    out[fx] = replace(out[fx], forward_s=out[fx].forward_s * factor)
+                    out[by] = replace(out[by], backward_s=out[by].backward_s * factor)
+        return out, spent
 
-    def _plan(self, budgets: BudgetState, mb: int, imbalance: tuple[float, ...]) -> Plan:
-        """Algorithm 2 for the normal band at Algorithm 1's budget, then each gate in layer order."""
-        s = self.stage
-        budget, headroom = budgets.budget(mb), budgets.headroom(mb)
-        moe = s.cost.moe_layers
-        decision = self.planner.plan(budget, s.tokens, [self.planned] * len(moe), s.recipe.batch.seq_len)
-        key = _items(decision.plan)
-        if key not in self.gates:
-            self.gates[key] = gate_costs(s.cost, decision.plan, s.tokens, s.recipe.batch.seq_len, self.planned, s.options)
-        layer_costs, plan = self.gates[key], decision.plan
-        slack = budget - decision.activation_bytes - decision.reload_bytes
-        for layer, x in zip(moe, imbalance):
-            pairs, c = self.rank.costs.balanced * x, layer_costs[layer]
-            gate = at_gate(pairs, self.planned, c.per_pair, c.escalation_bytes(pairs, self.planned), slack, headroom)
+    def _plan(self, budgets: BudgetState, k: int, chunk: int, imbalance: tuple[float, ...]) -> Plan:
+        """Algorithm 2 for the normal band at Algorithm 1's budget of forward k, leaving the gates
+        their share (`planner.plan_for_gates`), then each gate in layer order."""
+        s, costs = self.stage, self.rank.costs[chunk]
+        cm, tokens, seq_len = costs.cm, s.tokens, s.recipe.batch.seq_len
+        routed = [self.planned] * len(cm.moe_layers)
+
+        def layer_costs(plan: Plan) -> dict[int, LayerCost]:
+            key = (chunk, _items(plan))
+            if key not in self.gates:
+                self.gates[key] = gate_costs(cm, plan, tokens, seq_len, self.planned, s.options)
+            return self.gates[key]
+
+        gates = plan_for_gates(
+            lambda b: self.planners[chunk].plan(b, tokens, routed, seq_len), layer_costs, budgets.budget(k), self.planned, self.heaviest
+        )
+        plan, slack, headroom = gates.decision.plan, gates.slack, budgets.headroom(k)
+        for layer, x in zip(cm.moe_layers, imbalance):
+            pairs, c = costs.balanced * x, gates.costs[layer]
+            gate = at_gate(pairs, self.planned, c.per_pair, c.escalation_bytes(pairs, self.planned), slack, headroom, gates.after[layer])
             slack, headroom = gate.slack, gate.headroom
             if gate.action == "escalate":
                 plan = escalated(plan, layer)
         return plan
 
 
-def _points(stage: Stage) -> list[tuple[int, int]]:
-    """The fused points (x, y) of a rank's 1F1B order, as the executor runs them."""
-    return [(f.micro_batch, b.micro_batch) for f, b in fused_points(stage.schedule) if b is not None]
+Unit = tuple[int, int]  # (micro-batch, chunk)
+
+
+def _points(schedule: list[Step]) -> list[tuple[Unit, Unit, Unit | None, Unit | None]]:
+    """The fused points of a rank's order as the executor runs them, each with its four classes'
+    units (§V-B): F's x, B's y, O's x-1 (the forward before x) and R's y+1 (the backward after y,
+    when it was forwarded before x-1, so its recovery does not touch O's copies; else None)."""
+    forwards = [(s.micro_batch, s.chunk) for s in schedule if s.kind == "F"]
+    backwards = [(s.micro_batch, s.chunk) for s in schedule if s.kind == "B"]
+    position = {unit: k for k, unit in enumerate(forwards)}
+    out = []
+    for f, b in fused_points(schedule):
+        if b is None:
+            continue
+        x, y = (f.micro_batch, f.chunk), (b.micro_batch, b.chunk)
+        i, j = position[x], backwards.index(y)
+        o = forwards[i - 1] if i else None
+        r = backwards[j + 1] if j + 1 < len(backwards) and o is not None and position[backwards[j + 1]] < i - 1 else None
+        out.append((x, y, o, r))
+    return out
 
 
 def _items(plan: Plan) -> tuple[tuple[OpId, str], ...]:

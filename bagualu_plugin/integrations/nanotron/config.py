@@ -31,7 +31,6 @@ import dacite
 import yaml
 
 from ...config import Recipe, RecipeError, load_recipe
-from ...planner import BudgetState
 from ...planner.dual_batch import check_pipeline
 from ...stage import Stage
 from ...units import fmt_bytes
@@ -99,7 +98,7 @@ def check(config: Config) -> None:
     for rank in range(config.parallelism.pp):
         stage = Stage.of(recipe_for(config, rank))
         try:
-            BudgetState.start(stage.capacity, stage.static_bytes, stage.min_budget, stage.warmup)
+            stage.budgets()
         except ValueError as exc:
             recipe = config.bagualu.recipe  # the capacity is the named recipe's, or the inline section's
             source, path = (recipe, "hardware.capacity_bytes") if recipe else (_SOURCE, "bagualu.hardware.capacity_bytes")
