@@ -71,6 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("recipe", metavar="PRESET", help="a built-in cluster preset (e.g. glm-423b-a30b) or a recipe file")
     sm.add_argument("--iterations", type=_positive("--iterations"), default=100, help="iterations per system (default 100)")
     sm.add_argument("--seed", type=int, default=None, help="spike trace seed (default: the recipe's spikes.seed)")
+    sm.add_argument("--trace", default=None, metavar="JSONL", help="replay recorded routing (telemetry: routed pairs per MoE gate)")
     sm.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
     t = sub.add_parser("tiny-checkpoint", help="write a tiny random-init MoE checkpoint and a character-level tokenizer (offline)")
@@ -131,21 +132,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from .sim import simulate
+    from .sim import read_trace, simulate
 
     if args.seed is not None and args.seed < 0:
         raise SystemExit(f"bagualu simulate: --seed must be >= 0, got {args.seed}")
+    if args.trace and args.seed is not None:
+        raise SystemExit("bagualu simulate: --seed draws a spike trace, --trace replays one: give one of them")
     recipe = load_recipe(args.recipe)
     try:
-        result = simulate(recipe, args.iterations, args.seed, preset=args.recipe)
-    except ValueError as exc:
+        trace = read_trace(args.trace, recipe, args.iterations) if args.trace else None
+        result = simulate(recipe, args.iterations, args.seed, preset=args.recipe, trace=trace)
+    except (ValueError, OSError) as exc:
         raise SystemExit(f"bagualu simulate: {exc}") from None
     rows = [
         [o.system, f"{100 * o.mfu:.1f}%", f"{o.tokens_per_s:,.0f}", o.ooms, f"{o.speedup_vs_best_baseline:.3f}x", f"{o.iteration_s:.2f} s"]
         for o in result.outcomes
     ]
+    routing = f"routing recorded in {args.trace}" if args.trace else f"spike seed {result.seed}"
     print(f"SIMULATED: {args.recipe}, {recipe.gpus} devices of {recipe.hardware.name}, {args.iterations} iterations, "
-          f"spike seed {result.seed} (cost model times, not measurements)")
+          f"{routing} (cost model times, not measurements)")
     print(table(["system", "MFU", "tokens/s", "OOMs", "vs best baseline", "iteration"], rows))
     print("\nablation (Fig. 11): L1 every layer recomputed, L2 + static fine-grained plans, L3 + dynamic, L4 + fused dual-batch")
     print(table(["level", "tokens/s", "OOMs", "vs previous"],

@@ -8,12 +8,14 @@ import torch
 
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
-from bagualu_plugin.config import Recipe
+from bagualu_plugin.config import Recipe, load_recipe
 from bagualu_plugin.costmodel import ModelDims
 from bagualu_plugin.planner import GateDecision, at_gate
 from bagualu_plugin.runtime import Ledger, SimulatedOutOfMemoryError
 from bagualu_plugin.runtime.driver import run_iteration
 from bagualu_plugin.runtime.provisioner import apply
+from bagualu_plugin.sim import read_trace
+from bagualu_plugin.sim.trace import bucket
 from bagualu_plugin.stage import Stage
 
 PP, RANK, M, BATCH, SEQ = 4, 0, 6, 2, 32
@@ -51,9 +53,16 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
         assert [e["micro_batch"] for e in lines] == [0, 1, 2, 3, 4, 5]  # written in backward order
         fields = [
             "micro_batch", "phase", "budget", "predicted", "plan", "escalations", "deferred", "tokens", "seq_len",
-            "reload_bytes", "planner_s", "actual", "peak_device_bytes", "live_after_backward", "point",
+            "reload_bytes", "planner_s", "actual", "peak_device_bytes", "live_after_backward", "point", "routed",
+            "balanced_pairs",
         ]
         assert all(list(e) == fields for e in lines)
+        # the routing each MoE gate saw (what `bagualu simulate --trace` replays)
+        assert all(list(e["routed"]) == [str(layer) for layer in cm.moe_layers] and all(e["routed"].values()) for e in lines)
+        assert all(e["balanced_pairs"] == BATCH * SEQ * cm.pairs_per_token for e in lines)
+        trace = read_trace(telemetry, load_recipe("glm-423b-a30b"), 1)  # replayed on a preset, tiled
+        first = [lines[0]["routed"][str(layer)] / lines[0]["balanced_pairs"] for layer in cm.moe_layers]
+        assert trace.imbalance[0][0][: len(first)] == pytest.approx([bucket(x) for x in first])
         assert lines == [json.loads(e.to_json()) for e in prov.events]
         with pytest.raises(ValueError, match="no finished forward"):
             prov.end_backward(0)

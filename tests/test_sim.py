@@ -8,7 +8,7 @@ import pytest
 
 from bagualu_plugin.cli import main
 from bagualu_plugin.config import builtin_recipes, load_recipe
-from bagualu_plugin.sim import SYSTEMS, iteration_time, routing_trace, simulate
+from bagualu_plugin.sim import SYSTEMS, iteration_time, read_trace, routing_trace, simulate
 from bagualu_plugin.sim.run import fits
 from bagualu_plugin.sim.systems import BaGuaLu, Static, ranks
 from bagualu_plugin.sim.trace import Trace
@@ -153,3 +153,38 @@ def test_ablation_levels_are_monotone_and_never_crash(name):
     assert all(b.tokens_per_s >= a.tokens_per_s for a, b in zip(levels, levels[1:])), [a.tokens_per_s for a in levels]
     assert levels[-1].tokens_per_s > levels[0].tokens_per_s
     assert levels[-1].tokens_per_s == pytest.approx(result.outcomes[0].tokens_per_s)  # L4 is the bagualu system
+
+
+def _recorded(tmp_path, lines) -> str:
+    path = tmp_path / "routing.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return str(path)
+
+
+def test_recorded_routing_is_tiled_over_the_preset(tmp_path):
+    """Two recorded iterations of 2 micro-batches over 2 MoE layers (telemetry lines: micro_batch,
+    routed pairs per gate, balanced pairs). Iteration 0's micro-batch 1 routes 2.6x on layer 0.
+    On glm-423b-a30b (32 MoE layers, 32 micro-batches, 3 iterations): layer j takes recorded layer
+    j mod 2, micro-batch mb recorded mb mod 2, iteration 2 recorded iteration 0; imbalances are
+    rounded up to the trace's buckets (1/32)."""
+    lines = [
+        {"micro_batch": 0, "routed": {"0": 120, "1": 100}, "balanced_pairs": 100.0},
+        {"micro_batch": 1, "routed": {"1": 100, "0": 260}, "balanced_pairs": 100.0},
+        {"micro_batch": 0, "routed": {"0": 100, "1": 90}, "balanced_pairs": 100.0},
+        {"micro_batch": 1, "routed": {"0": 100, "1": 100}, "balanced_pairs": 100.0},
+    ]
+    recipe = load_recipe("glm-423b-a30b")
+    trace = read_trace(_recorded(tmp_path, lines), recipe, 3)
+    assert trace.iterations == 3 and trace.layers == tuple(range(32))
+    assert trace.imbalance[0][0][:4] == (39 / 32, 1.0, 39 / 32, 1.0)  # 1.2 rounds up to 1.21875
+    assert trace.imbalance[0][1][:2] == (84 / 32, 1.0) and trace.imbalance[0][3] == trace.imbalance[0][1]
+    assert trace.imbalance[1][0][:2] == (1.0, 29 / 32) and trace.imbalance[2] == trace.imbalance[0]
+    result = simulate(recipe, 3, preset="glm-423b-a30b", trace=trace)
+    by = {o.system: o for o in result.outcomes}
+    assert by["bagualu"].ooms == 0 and by["static_under"].ooms >= 1
+    with pytest.raises(ValueError, match="line 2: expected a JSON object with micro_batch, routed and balanced_pairs"):
+        read_trace(_recorded(tmp_path, [lines[0], {"micro_batch": 1, "plan": {}}]), recipe, 1)
+    with pytest.raises(ValueError, match="trace has 3 iterations, iterations is 2"):
+        simulate(recipe, 2, trace=trace)
+    with pytest.raises(SystemExit, match="give one of them"):
+        main(["simulate", "glm-423b-a30b", "--trace", "x.jsonl", "--seed", "1"])

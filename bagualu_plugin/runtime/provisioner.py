@@ -20,7 +20,7 @@ import warnings
 from collections import deque
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -81,6 +81,8 @@ class Event:
     peak_device_bytes: int | None = None  # static bytes plus the ledger's peak, at end_forward
     live_after_backward: int | None = None  # set by end_backward
     point: dict | None = None  # the fused scheduling point it began (runtime.dual_batch), if any
+    routed: dict[int, int] = field(default_factory=dict)  # local routed pairs at each MoE layer's gate
+    balanced_pairs: float = 0.0  # what balanced routing brings each MoE layer: `routed` / this is its imbalance
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -229,6 +231,7 @@ class Provisioner:
         self.runtime.set_plan(decision.plan)
         plan = {str(op): s for op, s in sorted(decision.plan.items())}
         event = Event(mb, scheduled, budget, decision.activation_bytes, plan, [], [], tokens, seq_len, decision.reload_bytes)
+        event.balanced_pairs = pairs
         self.ledger.micro_batch = mb
         hooks = ExitStack()
         hooks.enter_context(self.runtime.forward())
@@ -248,6 +251,7 @@ class Provisioner:
         if f is None or layer not in f.gates.costs:
             return
         pairs = int(local_pairs)  # one host sync per MoE layer
+        f.event.routed[layer] = pairs
         cost = f.gates.costs[layer]
         escalation = cost.escalation_bytes(pairs, f.planned)
         decision = at_gate(pairs, f.planned, cost.per_pair, escalation, f.slack, f.headroom, f.gates.after[layer])

@@ -117,11 +117,14 @@ def _run(system: System, ranks: list[Rank], trace: Trace, p2p_s: float) -> list[
     return timeline
 
 
-def simulate(recipe: Recipe, iterations: int = 100, seed: int | None = None, preset: str = "") -> Simulation:
-    """Every system of `systems.SYSTEMS` over `iterations` of the recipe's seeded spike trace."""
+def simulate(recipe: Recipe, iterations: int = 100, seed: int | None = None, preset: str = "", trace: Trace | None = None) -> Simulation:
+    """Every system of `systems.SYSTEMS` over `iterations` of the recipe's seeded spike trace, or
+    of `trace` (e.g. `read_trace`'s recorded routing)."""
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
-    trace = routing_trace(recipe, iterations, seed)
+    if trace is not None and trace.iterations != iterations:
+        raise ValueError(f"trace has {trace.iterations} iterations, iterations is {iterations}")
+    trace = trace or routing_trace(recipe, iterations, seed)
     every = systems(recipe, trace)
     ranks = every[0].ranks
     p2p_s = p2p_seconds(recipe)
