@@ -107,6 +107,13 @@ class GatePlan:
     costs: Mapping[int, LayerCost]
     after: Mapping[int, float]
     slack: float  # the budget less what the plan keeps and its reload room
+    planned: float  # local routed pairs per MoE layer the plan was made for
+
+    def at_gate(self, layer: int, pairs: float, slack: float, headroom: float) -> GateDecision:
+        """`at_gate` for `layer` when `pairs` local routed pairs arrive, with the micro-batch's
+        current slack and headroom."""
+        c = self.costs[layer]
+        return at_gate(pairs, self.planned, c.per_pair, c.escalation_bytes(pairs, self.planned), slack, headroom, self.after[layer])
 
 
 def plan_for_gates(
@@ -142,4 +149,4 @@ def plan_for_gates(
     for layer in sorted(need, reverse=True):
         after[layer] = later
         later += need[layer]
-    return GatePlan(decision, layer_costs, after, slack)
+    return GatePlan(decision, layer_costs, after, slack, planned)

@@ -32,7 +32,7 @@ from ..adapters.gate import GateMonitor
 from ..config import Recipe
 from ..costmodel import CostModel
 from ..costmodel.plan import Plan
-from ..planner import CachedPlanner, GatePlan, LayerCost, at_gate, escalated, gate_costs, plan_for_gates
+from ..planner import CachedPlanner, GatePlan, LayerCost, escalated, gate_costs, plan_for_gates
 from ..planner.dual_batch import ScheduleCache, executor_stages
 from ..stage import Stage
 from .ledger import Ledger
@@ -94,7 +94,6 @@ class _Forward:
     (as nanotron keeps one batch's buffers in its `PipelineTrainBatchState`)."""
 
     event: Event
-    planned: float  # local routed pairs per MoE layer the plan was made for
     gates: GatePlan  # what each MoE layer's gate weighs
     slack: float  # bytes it may still add under its budget
     headroom: float  # bytes later warmup micro-batches can still give up
@@ -236,7 +235,7 @@ class Provisioner:
         hooks = ExitStack()
         hooks.enter_context(self.runtime.forward())
         hooks.enter_context(self.gate)
-        self._forward = _Forward(event, planned, gates, gates.slack, self.budgets.headroom(mb), hooks)
+        self._forward = _Forward(event, gates, gates.slack, self.budgets.headroom(mb), hooks)
         event.planner_s = time.perf_counter() - start
 
     def _gate_costs(self, plan: Plan, tokens: int, seq_len: int, planned: float) -> dict[int, LayerCost]:
@@ -252,9 +251,7 @@ class Provisioner:
             return
         pairs = int(local_pairs)  # one host sync per MoE layer
         f.event.routed[layer] = pairs
-        cost = f.gates.costs[layer]
-        escalation = cost.escalation_bytes(pairs, f.planned)
-        decision = at_gate(pairs, f.planned, cost.per_pair, escalation, f.slack, f.headroom, f.gates.after[layer])
+        decision = f.gates.at_gate(layer, pairs, f.slack, f.headroom)
         f.slack, f.headroom = decision.slack, decision.headroom
         if decision.action == "defer":
             f.event.deferred.append(Deferral(layer, pairs, decision.overrun))

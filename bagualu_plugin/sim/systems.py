@@ -32,7 +32,6 @@ from ..planner import (
     CachedPlanner,
     InfeasibleBudget,
     LayerCost,
-    at_gate,
     escalated,
     gate_costs,
     plan_for_gates,
@@ -218,8 +217,7 @@ class _Decider:
         )
         plan, slack, headroom = gates.decision.plan, gates.slack, budgets.headroom(k)
         for layer, x in zip(cm.moe_layers, imbalance):
-            pairs, c = costs.balanced * x, gates.costs[layer]
-            gate = at_gate(pairs, self.planned, c.per_pair, c.escalation_bytes(pairs, self.planned), slack, headroom, gates.after[layer])
+            gate = gates.at_gate(layer, costs.balanced * x, slack, headroom)
             slack, headroom = gate.slack, gate.headroom
             if gate.action == "escalate":
                 plan = escalated(plan, layer)
