@@ -4,10 +4,16 @@ deterministic routing skew. All on tiny random models of the six families, on CP
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, FineGrainedFP8Config, LlamaConfig
+from transformers.integrations.finegrained_fp8 import FP8Experts, Fp8Quantize, replace_with_fp8_linear
+from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
 from bagualu_plugin.adapters import (
     FAMILIES,
@@ -22,6 +28,7 @@ from bagualu_plugin.adapters import (
     save_tiny,
     tiny_model,
 )
+from bagualu_plugin.adapters.experts import require_plain_weights
 from bagualu_plugin.adapters.gate import GateMonitor, RoutingSkew, tokens_per_expert
 
 FAMS = sorted(FAMILIES)
@@ -380,6 +387,63 @@ def test_routing_skew_moves_no_memory_in_one_process(family):
         loss.backward()
         saved.append(kept.bytes)
     assert saved[0] == saved[1]
+
+
+# --- quantized checkpoints -----------------------------------------------------------------------
+
+REFUSAL = r"quant_method='fp8'.*FineGrainedFP8Config\(dequantize=True\)"
+
+
+def fp8_checkpoint(directory: Path) -> Path:
+    """A tiny DeepSeek-V3 checkpoint as DeepSeek ships its own: every projection in FP8 with its
+    blockwise weight_scale_inv, quantized by transformers' Fp8Quantize (16x16 blocks: tiny dims)."""
+    config = FineGrainedFP8Config(weight_block_size=(16, 16))
+    quantize = Fp8Quantize(FineGrainedFP8HfQuantizer(config))
+    weights = load_file(save_tiny("deepseek_v3", directory) / "model.safetensors")
+    quantized = {}
+    for key, value in weights.items():
+        quantized.update(quantize.convert({key: value}) if key.endswith("_proj.weight") else {key: value})
+    save_file(quantized, directory / "model.safetensors", metadata={"format": "pt"})
+    fields = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**fields, "quantization_config": config.to_dict()}))
+    return directory
+
+
+def test_experts_loaded_in_fp8_refuse_bagualu_with_the_way_to_load_them():
+    """On a GPU transformers loads an FP8 checkpoint's experts as its FP8Experts, which dispatch
+    through its FP8 experts interface: "bagualu" there is the refusal, not a KeyError at the first
+    forward. Built by transformers' own swap, as from_pretrained does (FP8 itself needs a GPU); the
+    other layers stay plain so that the model runs on CPU up to the experts."""
+    model = model_of("deepseek_v3", IMPLEMENTATION)
+    plain = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    config = FineGrainedFP8Config(weight_block_size=(16, 16))
+    replace_with_fp8_linear(model, modules_to_not_convert=plain, quantization_config=config, pre_quantized=True)
+    assert all(isinstance(layer.experts, FP8Experts) for layer in moe_layers(model))
+    ids = batch()
+    with pytest.raises(ValueError, match=REFUSAL):
+        model(input_ids=ids, labels=ids)
+
+
+@pytest.mark.parametrize(
+    "dequantize",
+    [True, pytest.param(False, marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU loads it in FP8: refused"))],
+    ids=["dequantize", "cpu-default"],
+)
+def test_an_fp8_checkpoint_loaded_dequantized_runs_bagualu(tmp_path, dequantize):
+    """The way the refusal names: FineGrainedFP8Config(dequantize=True) gives plain weights, on which
+    "bagualu" equals grouped_mm bitwise, as does a CPU's own fallback without it."""
+    path = fp8_checkpoint(tmp_path)
+    quantization = {"quantization_config": FineGrainedFP8Config(dequantize=True)} if dequantize else {}
+
+    def load(impl):
+        return AutoModelForCausalLM.from_pretrained(path, experts_implementation=impl, local_files_only=True, **quantization).train()
+
+    model = load(IMPLEMENTATION)
+    weight, original = moe_layers(model)[0].experts.gate_up_proj, moe_layers(tiny_model("deepseek_v3"))[0].experts.gate_up_proj
+    assert not torch.equal(weight, original) and (weight - original).abs().max() < 0.1 * original.abs().max()  # FP8, dequantized
+    require_plain_weights(model.config)
+    ids = batch()
+    assert_bitwise(step(load("grouped_mm"), ids), step(model, ids))
 
 
 # --- RoutingSkew -------------------------------------------------------------------------------

@@ -19,43 +19,53 @@ The ops are the same torch ops, in the same order, as `grouped_mm_experts_forwar
 every gradient are bitwise equal to the default implementation on CPU (tests/test_adapters.py).
 
 Under expert parallelism (`parallel.expert`) the three ops run between dispatch and combine, on
-the rows this rank's experts received, as one pair of top-k 1 each.
+the rows this rank's experts received, as one pair of top-k 1 each. Experts loaded in FP8 dispatch
+through transformers' FP8 experts interface instead, where "bagualu" is the refusal to run them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..costmodel.graph import EXPERT_OPS
 from .adapter import GROUP_ATTR
 from .scopes import enter_expert_op
 
 try:
+    from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
     from transformers.integrations.moe import ExpertsInterface, _grouped_linear
-except ImportError as error:  # private helper of transformers' MoE integration
+except ImportError as error:  # _grouped_linear: private helper of transformers' MoE integration
     raise ImportError(
         "bagualu_plugin's experts implementation needs transformers.integrations.moe.ExpertsInterface and "
-        "_grouped_linear (transformers>=5.23,<6); the installed transformers does not provide them"
+        "_grouped_linear, and transformers.integrations.finegrained_fp8.FP8ExpertsInterface (transformers>=5.23,<6); "
+        "the installed transformers does not provide them"
     ) from error
 
 IMPLEMENTATION = "bagualu"  # the name given to from_pretrained(experts_implementation=...)
 RUNNER_ATTR = "expert_op_runner"  # on an experts module: optional runner(unit, op, experts, *args, **kw)
 
 
+def _quantized_weights(method) -> ValueError:
+    return ValueError(
+        f"the checkpoint is quantized (quantization_config.quant_method={str(method)!r}) and the {IMPLEMENTATION!r} "
+        "experts run on plain weights: load it dequantized, e.g. from_pretrained(path, "
+        "quantization_config=FineGrainedFP8Config(dequantize=True)) for FP8"
+    )
+
+
 def require_plain_weights(config) -> None:
-    """The "bagualu" experts run on plain weights. A quantized checkpoint's experts (DeepSeek-V3
-    ships FP8) dispatch through transformers' quantized experts interface, where "bagualu" is not
-    registered (a KeyError at the first forward): refuse it here, with the way to load it."""
+    """The "bagualu" experts run on plain weights: refuse a model loaded quantized (DeepSeek-V3
+    ships FP8 experts) before a runtime is installed, with the way to load it."""
     q = getattr(config, "quantization_config", None)
     get = q.get if isinstance(q, dict) else lambda name, default=None: getattr(q, name, default)
     method = None if q is None else get("quant_method")
     if method is not None and not get("dequantize", False):
-        raise ValueError(
-            f"the checkpoint is quantized (quantization_config.quant_method={str(method)!r}) and the {IMPLEMENTATION!r} "
-            "experts run on plain weights: load it dequantized, e.g. from_pretrained(path, "
-            "quantization_config=FineGrainedFP8Config(dequantize=True)) for FP8"
-        )
+        raise _quantized_weights(method)
 
 
 # --- the three operators -----------------------------------------------------------------------
@@ -157,6 +167,27 @@ def _in_bounds(experts: nn.Module, expert_ids_g: torch.Tensor) -> torch.Tensor:
 OPS = {"expert_fc1": expert_fc1, "expert_act": expert_act, "expert_fc2": expert_fc2}
 
 
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@contextmanager
+def adapted_weights(wrapped: nn.Module | None) -> Iterator[None]:
+    """PEFT's LoRA on the fused expert weights (`LoraConfig(target_parameters=...)`) in force,
+    as its `ParamWrapper`s' forward puts it: W + scale B A in place of each wrapped weight, made
+    at its first read. A recompute region of expert ops replays after that forward has ended and
+    would read W alone: each wrapper not in force is activated for the replay. Registering the
+    parametrization evaluates it once, a graph nobody keeps: its saves bypass the replay's."""
+    with ExitStack() as stack:
+        while wrapped is not None and hasattr(wrapped, "parameter_name"):
+            active = not wrapped.disable_adapters and not wrapped.merged
+            if active and not parametrize.is_parametrized(wrapped.get_base_layer(), wrapped.parameter_name):
+                with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                    stack.enter_context(wrapped._activate_lora(wrapped.active_adapters))
+            wrapped = wrapped.base_layer
+        yield
+
+
 def _through_runner(experts: nn.Module, unit: tuple[str, ...], op, *args, **kwargs):
     runner = getattr(experts, RUNNER_ATTR, None)
     if runner is None:
@@ -218,4 +249,12 @@ def bagualu_experts_forward(
     return local_experts(self, hidden_states, top_k_index, top_k_weights, hidden_states.dtype)
 
 
+def fp8_experts_forward(self: nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    """The "bagualu" entry of transformers' FP8 experts interface, through which the experts of a
+    checkpoint loaded in FP8 dispatch (a KeyError there otherwise, with or without our runtime):
+    the refusal of `require_plain_weights`, at their first forward."""
+    raise _quantized_weights("fp8")
+
+
 ExpertsInterface.register(IMPLEMENTATION, bagualu_experts_forward)
+FP8ExpertsInterface.register(IMPLEMENTATION, fp8_experts_forward)
