@@ -445,8 +445,12 @@ def ledger_device(ctx: Context):
             ledger.device == ctx.device and peak == now and before >= now + (64 << 20))
 
 
-def _cost_rows(ctx: Context, dtype, **config) -> tuple[str, str, bool]:
+def _cost_rows(ctx: Context, dtype, lora: dict | None = None, **config) -> tuple[str, str, bool]:
     model = tiny_model("qwen3_moe", dtype=dtype, attn_implementation="sdpa", **config).to(ctx.device)
+    if lora is not None:  # PEFT LoRA (`lora` is its LoraConfig), injected on the device
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**lora))
     cm = model_cost(model)
     batch, seq = 2, ctx.seq(200)  # not a multiple of 32: the memory-efficient kernel pads its log-sum-exp
     ids = ctx.ids(batch, seq, seed=6)
@@ -482,6 +486,11 @@ def cost_fp32_mha(ctx: Context):
 @check("cost model vs ledger: bf16 sdpa")
 def cost_bf16(ctx: Context):
     return _cost_rows(ctx, torch.bfloat16)
+
+
+@check("cost model vs ledger: bf16 sdpa, PEFT LoRA with dropout (a bool mask on CUDA)")
+def cost_lora(ctx: Context):
+    return _cost_rows(ctx, torch.bfloat16, lora=dict(r=4, lora_dropout=0.1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 
 # ---------------------------------------------------------------- quantised plans

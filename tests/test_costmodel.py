@@ -315,8 +315,9 @@ def test_eager_attention_is_quadratic_in_sequence_length():
     one_seq = cm.activation_bytes(256, seq_len=256)  # one sequence of 256
     four_seq = cm.activation_bytes(256, seq_len=64)  # four sequences of 64
     # probabilities: heads x L x L fp32 per sequence and layer (fp32 model: one copy); RoPE's
-    # cos and sin tables (head_dim per position) are shared by the sequences
-    assert one_seq - four_seq == 4 * 4 * 4 * (256 * 256 - 4 * 64 * 64) + 2 * 16 * (256 - 64) * 4
+    # cos and sin tables (head_dim per position) are shared by the sequences; the loss's targets
+    # of one sequence are a view of its padded labels, one int64 more
+    assert one_seq - four_seq == 4 * 4 * 4 * (256 * 256 - 4 * 64 * 64) + 2 * 16 * (256 - 64) * 4 + 8
 
 
 def test_routed_per_layer_and_errors():
@@ -362,7 +363,8 @@ def test_tensor_parallel_splits_per_token_terms():
     # with no routed pairs, every remaining per-token term is split by tp (ids and RoPE excepted)
     a1, a2 = one.activation_bytes(1000, routed=0), two.activation_bytes(1000, routed=0)
     emb = sum(t.bytes(Load(1000, 0, 1e6, 1000)) for t in one.blocks[-1].tensors if not t.held_by)
-    unsplit = emb + 1000 * 8 + 4 + 4 * 8 * 4  # + loss targets and divisor + int32 offsets of 8 experts x 4 layers
+    # + loss targets (one sequence: its padded labels) and divisor + int32 offsets of 8 experts x 4 layers
+    unsplit = emb + 1001 * 8 + 4 + 4 * 8 * 4
     assert a2 == pytest.approx((a1 - unsplit) / 2 + unsplit)
     assert two.pairs_per_token == 1.0  # top_k / tp: sequence-parallel tokens are split too
 

@@ -43,8 +43,9 @@ class Layer:
     index: int
     module: nn.Module
     router: nn.Module | None
-    experts: nn.Module | None
+    experts: nn.Module | None  # the module the experts implementation runs on
     shared: tuple[nn.Module, ...]
+    wrapped: nn.Module | None = None  # the MoE block's experts where PEFT's LoRA wraps them (target_parameters)
 
     @property
     def moe(self) -> bool:
@@ -90,7 +91,10 @@ class Adapter:
             raise UnsupportedModelError(
                 f"layer {index}: MoE block {type(mlp).__name__} has no router attribute {self.family.router!r}"
             )
-        return Layer(index, layer, router, mlp.experts, tuple(getattr(mlp, name) for name in self.family.shared))
+        shared = tuple(getattr(mlp, name) for name in self.family.shared)
+        if hasattr(mlp.experts, "get_base_layer"):  # PEFT's ParamWrappers (target_parameters) around the experts
+            return Layer(index, layer, router, mlp.experts.get_base_layer(), shared, mlp.experts)
+        return Layer(index, layer, router, mlp.experts, shared)
 
     @property
     def top_k(self) -> int:

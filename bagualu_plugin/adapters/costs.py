@@ -1,6 +1,6 @@
 """The analytic cost model of a supported HF model, and the §V-A conflicts of a plan on it: the
-model's config, dtype and attention kernel read off the model (its graphs name the same tensors
-the model saves; benchmarks/costmodel_accuracy.py checks it)."""
+model's config, dtype, attention kernel and PEFT LoRA adapters read off the model (its graphs
+name the same tensors the model saves; benchmarks/costmodel_accuracy.py checks it)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,118 @@ from torch import nn
 
 from ..costmodel import CostModel, ModelDims, Parallel
 from ..costmodel.conflicts import Conflict, conflicts
+from ..costmodel.dims import LoraDims, lora_shapes
 from ..costmodel.plan import Plan
 from ..hardware import HardwareSpec
 from .adapter import Adapter
 
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-def model_cost(model: nn.Module, hardware: HardwareSpec | str = "cpu") -> CostModel:
-    """The analytic cost model of a supported HF model on `hardware` (a preset name or a spec,
-    e.g. a recipe's `hardware`), in the model's dtype and attention kernel, on this rank of its
-    expert-parallel group (`bgl.expert_parallel`) if it has one."""
+
+def model_dims(model: nn.Module) -> ModelDims:
+    """The dimensions of a supported HF model as the analytic cost model needs them (a recipe's
+    `model:` section): its config, in the dtype and attention kernel it runs, with the PEFT LoRA
+    adapters injected into it (`get_peft_model`, `inject_adapter_in_model`) as `lora`."""
     adapter = Adapter(model)
     weight = next(adapter.model.parameters())
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[weight.dtype]
-    dims = ModelDims.from_hf_config(adapter.config, dtype=dtype, attention=_attention_kernel(adapter, weight))
-    group = adapter.expert_group
+    dims = ModelDims.from_hf_config(adapter.config, dtype=DTYPES[weight.dtype], attention=_attention_kernel(adapter, weight))
+    lora = _lora(adapter, dims, weight.device)
+    return dims if lora is None else ModelDims.model_validate({**dict(dims), "lora": lora})
+
+
+def model_cost(
+    model: nn.Module,
+    hardware: HardwareSpec | str = "cpu",
+    masked: bool = False,
+    fused_head: bool = False,
+    loss_divisor_bytes: int = 0,
+    router_aux_loss: str = "none",
+) -> CostModel:
+    """The analytic cost model of a supported HF model (`model_dims`) on `hardware` (a preset
+    name or a spec, e.g. a recipe's `hardware`), on this rank of its expert-parallel group
+    (`bgl.expert_parallel`) if it has one. Of the micro-batches (`runtime.boundaries.ForwardKind`)
+    whose attention gets a padding or packing mask, which SDPA keeps (`masked`), whose head is
+    TRL's fused one (`fused_head`), whose loss divides by a token count tensor of that many
+    bytes (`loss_divisor_bytes`: the Trainer's `num_items_in_batch`), which add the routers'
+    load-balancing loss (`router_aux_loss`, `ModelDims.router_aux_loss`)."""
+    group = Adapter(model).expert_group
     parallel = Parallel(ep=group.size, ep_rank=group.rank, all_to_all=True) if group else Parallel()
+    dims = model_dims(model)
+    if masked and dims.attention == "sdpa":
+        dims = dims.model_copy(update={"attention": "sdpa_masked"})
+    if fused_head:
+        dims = dims.model_copy(update={"lm_head": "trl_fused"})
+    dims = dims.model_copy(update={"loss_divisor_bytes": loss_divisor_bytes, "router_aux_loss": router_aux_loss})
     return CostModel.from_config(dims, hardware, parallel)
+
+
+def _lora(adapter: Adapter, dims: ModelDims, device: torch.device) -> LoraDims | None:
+    """The LoRA adapters PEFT put in the decoder layers (its `lora.Linear`s and, for the fused
+    expert weights, `ParamWrapper`s), read off the layers; None without any. What `LoraDims`
+    cannot describe, and so the cost model would predict wrongly, is an error naming it."""
+    if not any(map(_is_lora, adapter.model.modules())):
+        return None
+    where = {}  # LoRA layer -> (decoder layer, target: its name there)
+    for layer in adapter.layers:
+        for name, module in layer.module.named_modules():
+            if _is_lora(module):  # nested ParamWrappers hold the experts as base_layer.base_layer...
+                target = name.replace(".base_layer", "")
+                where[module] = (layer.index, f"{target}.{module.parameter_name}" if hasattr(module, "parameter_name") else target)
+    outside = [name for name, module in adapter.model.named_modules() if _is_lora(module) and module not in where]
+    if outside:
+        raise ValueError(f"LoRA adapters outside the decoder layers ({', '.join(outside)}) are not modelled; leave them out")
+    ranks, dropouts, dtypes, targets, params = {}, set(), set(), {}, set()
+    for module, (index, target) in where.items():
+        names = [a for a in module.active_adapters if a in module.lora_A]
+        unsupported = module.merged or module.disable_adapters or len(names) != 1
+        if not unsupported:
+            (name,) = names
+            unsupported = module.use_dora[name] or module.lora_bias[name] or name in module.lora_variant
+        if unsupported:
+            raise ValueError(
+                f"layer {index} {target}: the cost model describes one active, unmerged plain LoRA adapter per layer "
+                f"(no DoRA, LoRA bias or other variant); it has {names or 'none active'}"
+            )
+        ranks.setdefault(target, set()).add(module.r[name])
+        dropouts.add(getattr(module.lora_dropout[name], "p", 0.0))
+        dtypes.add(DTYPES[module.lora_A[name].weight.dtype])
+        targets.setdefault(index, set()).add(target)
+        params |= {id(p) for p in (*module.lora_A[name].parameters(), *module.lora_B[name].parameters())}
+    uneven_ranks = sorted(t for t, found in ranks.items() if len(found) > 1)
+    extra = [name for name, p in adapter.model.named_parameters() if p.requires_grad and id(p) not in params]
+    frozen = [name for name, p in adapter.model.named_parameters() if id(p) in params and not p.requires_grad]
+    union = set().union(*targets.values())
+    known = set(lora_shapes(dims))  # (unknown targets are the validator's to name)
+    expected = {layer.index: union & set(lora_shapes(dims, moe=layer.moe)) for layer in adapter.layers}  # those it has
+    uneven = [i for i, found in targets.items() if found & known != expected[i]]
+    problems = [
+        (uneven_ranks, f"lora.ranks: {uneven_ranks} have different ranks in different layers; the cost model takes one each"),
+        (len(dropouts) > 1, f"lora.dropout: the adapters have dropouts {sorted(dropouts)}; the cost model takes one"),
+        (len(dtypes) > 1, f"lora.dtype: the adapters' weights are {sorted(dtypes)}; the cost model takes one"),
+        (uneven, f"lora.targets: layers {uneven} adapt only some of {sorted(union)}; the cost model takes one set for all"),
+        (extra, f"parameters outside the adapters train ({', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''}), "
+                "which LoRA's cost model keeps frozen: freeze them (modules_to_save is not modelled)"),
+        (frozen, f"adapter parameters are frozen ({', '.join(frozen[:4])}): the cost model trains every adapter"),
+    ]
+    bad = [message for found, message in problems if found]
+    if bad:
+        raise ValueError("; ".join(bad))
+    rank_of = {t: found.pop() for t, found in ranks.items()}
+    rank = max(rank_of.values(), key=list(rank_of.values()).count)  # the most common; the others as exceptions
+    return LoraDims(
+        rank=rank,
+        ranks={t: r for t, r in sorted(rank_of.items()) if r != rank},
+        dropout=dropouts.pop(),
+        targets=sorted(union),
+        layers=None if all(i in targets for i, found in expected.items() if found) else sorted(targets),
+        dtype=dtypes.pop(),
+        device="cpu" if device.type == "cpu" else "cuda",
+    )
+
+
+def _is_lora(module: nn.Module) -> bool:
+    """A PEFT LoRA layer (duck-typed: PEFT is optional)."""
+    return hasattr(module, "lora_A") and hasattr(module, "base_layer")
 
 
 def _attention_kernel(adapter: Adapter, weight: torch.Tensor) -> str:

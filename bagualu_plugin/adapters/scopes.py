@@ -57,7 +57,7 @@ class OpTracker:
                 self._at(m.mlp, OpId(i, "dense_mlp"))
                 continue
             self._at(layer.router, OpId(i, "router"))
-            self._at(layer.experts, OpId(i, "expert_fc1"))
+            self._at(layer.wrapped or layer.experts, OpId(i, "expert_fc1"))  # PEFT's LoRA on them is made in fc1
             layer.experts._bagualu_scope = (self, i)
             self._experts.append(layer.experts)
             for shared in layer.shared:

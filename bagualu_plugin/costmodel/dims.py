@@ -33,6 +33,39 @@ class MLADims(_Strict):
     v_head_dim: int = Field(gt=0)
 
 
+EXPERT_TARGETS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # the fused 3-D expert weights
+
+
+class LoraDims(_Strict):
+    """PEFT LoRA on a frozen base model: only the adapters train. Autograd then keeps a linear's
+    input only where an adapter reads it, nothing for the frozen weights themselves, and nothing
+    at all before the first adapter (the embedding's output needs no gradient). Targets are named
+    as in a decoder layer (`self_attn.q_proj`, `mlp.shared_experts.up_proj`); the fused experts'
+    weights (`mlp.experts.gate_up_proj`, `LoraConfig(target_parameters=...)`) and the router's
+    (`mlp.gate.weight`) are adapted as one weight each, which the layer then uses in full."""
+
+    rank: int = Field(gt=0)
+    ranks: dict[str, int] = Field(
+        default_factory=dict,
+        description="targets of another rank (PEFT's rank_pattern: twice the rank for a gate_up_proj fused from gate_proj and up_proj)",
+    )
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    targets: list[str] = Field(min_length=1, description="adapted linears and expert weights, by their names in a decoder layer")
+    layers: list[int] | None = Field(default=None, description="decoder layers with adapters (layers_to_transform); None: all")
+    dtype: DType = Field(default="fp32", description="the adapters' weights: PEFT keeps them FP32 (autocast_adapter_dtype)")
+    device: Literal["cuda", "cpu"] = Field(
+        default="cuda",
+        description="where the model trains: CUDA's fused dropout keeps a 1-byte mask, the CPU's its scaled noise; on the CPU, "
+        "PEFT makes a 2-D weight's LoRA delta (the router's) from FP32 copies of half-precision factors",
+    )
+
+    def adapts(self, layer: int, target: str) -> bool:
+        return target in self.targets and (self.layers is None or layer in self.layers)
+
+    def rank_of(self, target: str) -> int:
+        return self.ranks.get(target, self.rank)
+
+
 class ModelDims(_Strict):
     """A decoder-only MoE transformer as HF transformers builds it (DESIGN.md section 5)."""
 
@@ -58,12 +91,31 @@ class ModelDims(_Strict):
     )
     rope_dim: int | None = Field(default=None, gt=0, description="columns of RoPE's cos/sin tables; None: head_dim")
     layer_types: tuple[str, ...] = Field(
-        default=(), description="attention kind per layer where they differ (gpt-oss: sliding / full), each with its own mask"
+        default=(),
+        strict=False,  # a YAML list
+        description="attention kind per layer where they differ (gpt-oss: sliding / full), each with its own mask",
     )
     mla: MLADims | None = None
     dtype: DType = "bf16"
-    attention: Literal["sdpa", "eager"] = Field(
-        default="sdpa", description="eager keeps the (T x T) probabilities: quadratic memory"
+    attention: Literal["sdpa", "sdpa_masked", "eager"] = Field(
+        default="sdpa",
+        description="eager keeps the (T x T) probabilities: quadratic memory; sdpa_masked: SDPA given a padding or packing "
+        "mask, which it keeps per layer (with repeated keys and values under grouped-query attention)",
+    )
+    lora: LoraDims | None = Field(default=None, description="PEFT LoRA adapters on the frozen model; None: every weight trains")
+    loss_divisor_bytes: int = Field(
+        default=0, ge=0, description="bytes of the caller's token count the loss divides by (the Trainer's num_items_in_batch "
+        "tensor), which the loss keeps; 0: none",
+    )
+    router_aux_loss: Literal["none", "all_tokens", "attention_mask"] = Field(
+        default="none",
+        description="the load-balancing loss over every MoE layer's router logits (output_router_logits, as TRL asks "
+        "for): none, over all tokens, or weighted by a given attention mask",
+    )
+    lm_head: Literal["hf", "trl_fused"] = Field(
+        default="hf",
+        description="how the LM head and loss run: HF's CausalLM forward, or TRL's fused log-prob head (SFTTrainer's "
+        "`fused_lm_head`: no logits, its own autograd function)",
     )
 
     @model_validator(mode="after")
@@ -93,6 +145,22 @@ class ModelDims(_Strict):
                 f"({', '.join(f for f, t in FAMILIES.items() if t.mla)}) and only for them",
             ),
         ]
+        if self.lora is not None:
+            known, lora = tuple(lora_shapes(self)), self.lora
+            unknown = [t for t in lora.targets if t not in known]
+            outside = [i for i in lora.layers or () if i >= self.num_layers]
+            stray = [t for t in lora.ranks if t not in lora.targets]
+            checks += [
+                (unknown, "lora.targets", f"{unknown} are no linears or expert weights of a {self.family} layer: {', '.join(known)}"),
+                (outside, "lora.layers", f"{outside} are past the last layer ({self.num_layers - 1})"),
+                (stray, "lora.ranks", f"{stray} are not in lora.targets"),
+                (any(r <= 0 for r in lora.ranks.values()), "lora.ranks", "ranks must be > 0"),
+                (
+                    lora.dropout and set(lora.targets) & set(EXPERT_TARGETS),
+                    "lora.dropout",
+                    "PEFT adapts the fused expert weights (target_parameters) only without dropout",
+                ),
+            ]
         reject([(path, msg) for bad, path, msg in checks if bad])
         return self
 
@@ -150,7 +218,7 @@ class ModelDims(_Strict):
             qk_norm=traits.qk_norm or bool(get("use_qk_norm", False)),
             norm_topk_prob=traits.norm_topk_prob or bool(get("norm_topk_prob", False)),
             partial_rotary=rotary < 1,
-            rope_dim=rope_dim,
+            rope_dim=rope_dim if rope_dim != head_dim else None,  # None: head_dim, as a recipe says it
             layer_types=tuple(get("layer_types") or ()) if traits.mixed_attention_layers else (),
             mla=mla,
             dtype=dtype or {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[torch_dtype],
@@ -192,8 +260,57 @@ def attention_params(d: ModelDims) -> int:
     return h * nh * hd * 2 + h * nkv * hd * 2 + (2 * hd if d.qk_norm else 0)
 
 
-def param_count(d: ModelDims, active: bool = False) -> int:
-    """Total (or per-token active) parameters, embeddings and an untied LM head included."""
+def lora_shapes(d: ModelDims, moe: bool | None = None) -> dict[str, tuple[int, int, int]]:
+    """What PEFT can adapt in a decoder layer of `d` (an MoE or a dense one; None: either), by its
+    name there (`LoraDims.targets`), with its (in, out, experts): a rank-r adapter holds
+    r (in + out) parameters per expert."""
+    h, nh, hd = d.hidden_size, d.num_attention_heads, d.head_dim
+    if d.mla is None:
+        kv = d.num_key_value_heads * hd
+        attention = {"q_proj": (h, nh * hd), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (nh * hd, h)}
+    else:
+        m = d.mla
+        q, rank = nh * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.q_lora_rank
+        attention = {"q_proj": (h, q)} if rank == 0 else {"q_a_proj": (h, rank), "q_b_proj": (rank, q)}
+        attention |= {
+            "kv_a_proj_with_mqa": (h, m.kv_lora_rank + m.qk_rope_head_dim),
+            "kv_b_proj": (m.kv_lora_rank, nh * (m.qk_nope_head_dim + m.v_head_dim)),
+            "o_proj": (nh * m.v_head_dim, h),
+        }
+    shapes = {f"self_attn.{p}": (i, o, 1) for p, (i, o) in attention.items()}
+    mlps = [("mlp", d.dense_intermediate_size)] if d.first_k_dense and moe is not True else []
+    if moe is not False:
+        shapes[f"mlp.{d.traits.router}.weight"] = (h, d.num_experts, 1)  # PEFT wraps the router's weight as a parameter
+        if d.shared_expert_intermediate_size:
+            mlps.append((f"mlp.{d.traits.shared[0]}", d.shared_expert_intermediate_size))
+            shapes |= {f"mlp.{s}": (h, 1, 1) for s in d.traits.shared[1:]}  # Qwen2-MoE's sigmoid gate
+        inter = d.moe_intermediate_size
+        shapes |= dict(zip(EXPERT_TARGETS, [(h, 2 * inter, d.num_experts), (inter, h, d.num_experts)]))
+    for prefix, width in mlps:
+        shapes |= {f"{prefix}.gate_proj": (h, width, 1), f"{prefix}.up_proj": (h, width, 1), f"{prefix}.down_proj": (width, h, 1)}
+    return shapes
+
+
+def adapted(d: ModelDims, layer: int) -> bool:
+    """Whether a decoder layer has LoRA adapters (a dense layer has no experts to adapt)."""
+    return d.lora is not None and any(d.lora.adapts(layer, t) for t in lora_shapes(d, moe=layer >= d.first_k_dense))
+
+
+def adapter_params(d: ModelDims, layer: int, targets: tuple[str, ...] | None = None) -> int:
+    """Parameters of the LoRA adapters of one decoder layer (those of `targets`; None: all)."""
+    if d.lora is None:
+        return 0
+    shapes = lora_shapes(d, moe=layer >= d.first_k_dense)
+    return sum(d.lora.rank_of(t) * (i + o) * e for t, (i, o, e) in shapes.items() if d.lora.adapts(layer, t) and t in (targets or shapes))
+
+
+def param_count(d: ModelDims, active: bool = False, trainable: bool = False) -> int:
+    """Total (or per-token active) parameters, embeddings, an untied LM head and LoRA adapters
+    included; `trainable`: those that train (under LoRA only the adapters)."""
+    if trainable and d.lora is not None:
+        experts = sum(adapter_params(d, i, EXPERT_TARGETS) for i in d.moe_layers)
+        routed = experts * d.top_k // d.num_experts if active else experts
+        return sum(adapter_params(d, i) for i in range(d.num_layers)) - experts + routed
     h = d.hidden_size
     mlp = 3 * h  # gate, up and down projections per unit of intermediate size
     experts = d.top_k if active else d.num_experts
@@ -201,10 +318,5 @@ def param_count(d: ModelDims, active: bool = False) -> int:
     dense = mlp * d.dense_intermediate_size
     per_layer = attention_params(d) + 2 * h
     n_moe = d.num_layers - d.first_k_dense
-    return (
-        d.num_layers * per_layer
-        + n_moe * moe
-        + d.first_k_dense * dense
-        + 2 * d.vocab_size * h
-        + h
-    )
+    base = d.num_layers * per_layer + n_moe * moe + d.first_k_dense * dense + 2 * d.vocab_size * h + h
+    return base + (param_count(d, active, trainable=True) if d.lora is not None else 0)

@@ -162,6 +162,7 @@ def fit_block(
     expert_params: int = 0,
     units: tuple[tuple[str, ...], ...] = (),
     spans: tuple[tuple[str, ...], ...] = (),
+    frozen_params: tuple[int, int] = (0, 0),
 ) -> BlockGraph:
     """A `BlockGraph` whose tensor sizes reproduce every sample exactly (or an error saying which
     tensor does not) and whose op times are least-squares fits."""
@@ -192,4 +193,4 @@ def fit_block(
         )
         for op in first.ops
     )
-    return BlockGraph(first.kind, ops, tuple(tensors), dense_params, expert_params, units, spans)
+    return BlockGraph(first.kind, ops, tuple(tensors), dense_params, expert_params, units, spans, frozen_params)

@@ -136,6 +136,8 @@ class BlockGraph:
     expert_params: int = 0  # parameters of this device's experts, replicated over dp * tp / ep
     units: tuple[tuple[str, ...], ...] = ()  # recompute units; () = the whole block or any op alone
     spans: tuple[tuple[str, ...], ...] = ()  # op runs recomputed in part by replaying them whole
+    frozen_params: tuple[int, int] = (0, 0)  # (dense, expert) of those that do not train (LoRA's frozen
+    # base): weights without gradients or optimizer state
 
     def __post_init__(self) -> None:
         names = [op.name for op in self.ops]

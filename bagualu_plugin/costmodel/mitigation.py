@@ -128,6 +128,17 @@ def recompute_regions(block: BlockGraph, plan: Mapping[str, str]) -> list[Region
     return cover(block.recompute_units, block.spans, {op for op, s in plan.items() if s == "recompute"}, block.kind)
 
 
+def holding_regions(block: BlockGraph, plan: Mapping[str, str], chunked: bool = False) -> list[Region]:
+    """The regions that hold their inputs: those whose ops save something (a frozen weight too, a
+    tensor of no bytes here). The graph keeps a checkpoint alive through the saves made inside it
+    only (a span's other saves, which it sends on, as well), so one that saved nothing (frozen ops
+    before the first LoRA adapter, whose outputs need no gradient) lets its inputs go at once. The
+    tables every layer receives (`TensorSpec.shared`) are saved by the layers that use them,
+    whichever block holds them."""
+    saves = [set(t.savers) for t in block.path_tensors(chunked) if not t.shared]
+    return [r for r in recompute_regions(block, plan) if any(s & set(r.ops) for s in saves)]
+
+
 def stored_form(
     tensor: TensorSpec,
     plan: Mapping[str, str],
@@ -180,7 +191,7 @@ def footprint(
     held: set[str] = set()  # tensors a checkpoint region keeps as its input
     replay = 0.0
     produced_by = {t.name: t.producer for t in tensors}
-    for region in recompute_regions(block, plan):
+    for region in holding_regions(block, plan, chunked):
         members = frozenset(region.ops)
         for name in region.dropped:
             region_of[name] = members

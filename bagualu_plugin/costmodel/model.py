@@ -20,7 +20,7 @@ from . import analytic
 from .dims import ModelDims, Parallel
 from .graph import BlockGraph, OpId, OpSpec, TensorSpec
 from .linear import LinearForm, Load
-from .mitigation import Footprint, MitigationOptions, footprint, recompute_regions
+from .mitigation import Footprint, MitigationOptions, footprint, holding_regions
 from .pipeline import MicroBatchCost, stage_layers
 
 FORMAT = "bagualu-costmodel/1"
@@ -57,7 +57,7 @@ class MitigationCost:
 def holds_arguments(block: BlockGraph, plan: Mapping[str, str]) -> bool:
     """Whether the block's recompute regions take the layer's arguments (attention, whole or in
     part, or the whole layer runs under a checkpoint that holds them)."""
-    return any("attn_core" in region.ops for region in recompute_regions(block, plan))
+    return any("attn_core" in region.ops for region in holding_regions(block, plan))
 
 
 class CostModel:
@@ -92,12 +92,7 @@ class CostModel:
             raise ValueError(f"parallel.ep ({parallel.ep}) must divide num_experts ({dims.num_experts})")
         if dims.num_attention_heads % parallel.tp:
             raise ValueError(f"parallel.tp ({parallel.tp}) must divide num_attention_heads ({dims.num_attention_heads})")
-        blocks = {-1: analytic.embedding(dims, parallel, hw), dims.num_layers: analytic.lm_head(dims, parallel, hw)}
-        dense = analytic.decoder_layer(dims, parallel, hw, moe=False) if dims.first_k_dense else None
-        moe = analytic.decoder_layer(dims, parallel, hw, moe=True)
-        for i in range(dims.num_layers):
-            blocks[i] = dense if i < dims.first_k_dense else moe
-        return cls(blocks, hw, dims.top_k / parallel.tp, name=name or dims.family)
+        return cls(analytic.blocks(dims, parallel, hw), hw, dims.top_k / parallel.tp, name=name or dims.family)
 
     # queries ---------------------------------------------------------------------------------
     @property
@@ -284,12 +279,11 @@ class CostModel:
         part = f"stage {rank}/{pp}" if vp == 1 else f"stage {rank}/{pp} chunks {','.join(map(str, chunks))}/{vp}"
         return CostModel(blocks, self.hardware, self.pairs_per_token, f"{self.name} {part}", self.source)
 
-    def parameter_counts(self) -> tuple[int, int]:
-        """(dense, expert) parameters held on this device."""
-        return (
-            sum(b.dense_params for b in self.blocks.values()),
-            sum(b.expert_params for b in self.blocks.values()),
-        )
+    def parameter_counts(self, trainable: bool = False) -> tuple[int, int]:
+        """(dense, expert) parameters held on this device; `trainable`: those that train (not
+        LoRA's frozen base), which alone have gradients and optimizer state."""
+        dense = sum(b.dense_params - trainable * b.frozen_params[0] for b in self.blocks.values())
+        return dense, sum(b.expert_params - trainable * b.frozen_params[1] for b in self.blocks.values())
 
     def static_bytes(
         self,
@@ -299,22 +293,25 @@ class CostModel:
         dense_shards: int = 1,
         expert_shards: int = 1,
     ) -> int:
-        """Non-activation memory: weights and gradients of every local parameter, optimizer state
-        sharded over the replicas of each parameter (data parallel for dense, dp*tp/ep for experts)."""
-        dense, expert = self.parameter_counts()
-        per = weight_bytes + grad_bytes
-        return round(dense * (per + optimizer_bytes / dense_shards) + expert * (per + optimizer_bytes / expert_shards))
+        """Non-activation memory: weights of every local parameter, gradients of every trainable
+        one, their optimizer state sharded over the replicas of each parameter (data parallel for
+        dense, dp*tp/ep for experts)."""
+        dense, expert = self.parameter_counts(trainable=True)
+        trained = dense * (grad_bytes + optimizer_bytes / dense_shards) + expert * (grad_bytes + optimizer_bytes / expert_shards)
+        return round(sum(self.parameter_counts()) * weight_bytes + trained)
 
     def fsdp_static_bytes(self, weight_bytes: float, grad_bytes: float, optimizer_bytes: float, shards: int, gathered: int = 2) -> int:
-        """Non-activation memory under FSDP full shard: every local parameter's weights, gradients
-        and optimizer state divided over `shards`, plus the largest decoder layer's weights whole,
-        `gathered` times (the one running and the one prefetched). Recompute adds no all-gather
+        """Non-activation memory under FSDP full shard: every local parameter's weights and every
+        trainable one's gradients and optimizer state divided over `shards`, plus the largest
+        decoder layer's weights whole, `gathered` times (the one running and the one prefetched).
+        Recompute adds no all-gather
         under FSDP2 (measured in tests/test_fsdp.py, units of decoder layers or finer): a region
         replays modules whose unit backward gathers anyway, at most earlier, so the mitigation
         rooflines price it with none, and its gathered weights are the layer counted here."""
-        dense, expert = self.parameter_counts()
+        params, trainable = sum(self.parameter_counts()), sum(self.parameter_counts(trainable=True))
         layer = max((self.blocks[i].dense_params + self.blocks[i].expert_params for i in self.layers), default=0)
-        return round((dense + expert) * (weight_bytes + grad_bytes + optimizer_bytes) / shards + gathered * layer * weight_bytes)
+        sharded = params * weight_bytes + trainable * (grad_bytes + optimizer_bytes)
+        return round(sharded / shards + gathered * layer * weight_bytes)
 
     # persistence -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -330,6 +327,7 @@ class CostModel:
                     "kind": b.kind,
                     "dense_params": b.dense_params,
                     "expert_params": b.expert_params,
+                    "frozen_params": list(b.frozen_params),
                     "units": [list(u) for u in b.units],
                     "spans": [list(s) for s in b.spans],
                     "ops": [
@@ -363,7 +361,8 @@ class CostModel:
             )
             units = tuple(tuple(u) for u in b["units"])
             spans = tuple(tuple(s) for s in b.get("spans", ()))  # files saved before spans existed have none
-            blocks[b["index"]] = BlockGraph(b["kind"], ops, tensors, b["dense_params"], b["expert_params"], units, spans)
+            frozen = tuple(b.get("frozen_params", (0, 0)))  # nor frozen parameters before LoRA
+            blocks[b["index"]] = BlockGraph(b["kind"], ops, tensors, b["dense_params"], b["expert_params"], units, spans, frozen)
         hw = HardwareSpec.model_validate(data["hardware"], strict=False)
         return cls(blocks, hw, data["pairs_per_token"], data["name"], data["source"])
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
-from functools import partial
 
 import torch
 from torch import nn
 
 from ..adapters import Adapter, OpTracker, is_inside_backward
-from ..adapters.experts import RUNNER_ATTR, require_plain_weights
+from ..adapters.experts import RUNNER_ATTR, adapted_weights, require_plain_weights
 from ..adapters.units import block_spans, block_units, unit_module
 from ..costmodel.graph import LOSS_OPS
 from ..costmodel.mitigation import MitigationOptions, cover
@@ -175,10 +174,15 @@ class PlanRuntime:
     def _runner(self, layer: int):
         """The experts' runner: the routed experts (`EXPERT_OPS`) or one expert op, as a region
         if the plan makes it one (under expert parallelism, the computation between dispatch and
-        combine)."""
+        combine), with PEFT's LoRA on the expert weights in force when it replays."""
+        wrapped = self.adapter.layers[layer].wrapped
 
         def run(unit, op, experts, *args, **kwargs):
-            return self._run(experts, layer, unit, partial(op, experts), args, kwargs)
+            def forward(*a, **kw):
+                with adapted_weights(wrapped):
+                    return op(experts, *a, **kw)
+
+            return self._run(experts, layer, unit, forward, args, kwargs)
 
         return run
 

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from ..adapters import Adapter, OpTracker, shared_arguments
 from ..adapters.experts import RUNNER_ATTR
 from ..adapters.gate import GateMonitor, RoutingSkew
-from ..adapters.units import block_kind, block_units, unit_module
+from ..adapters.units import block_kind, block_spans, block_units, unit_module
 from ..costmodel.fit import BlockSample, TensorSample, fit_block
 from ..costmodel.graph import INPUT, LOSS_OPS, OpId, standard_spans, standard_units
 from ..costmodel.linear import Load
@@ -229,6 +229,14 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
                 received[_ptr(t)] = t
                 takers.setdefault(_ptr(t), []).append(op)
 
+    weights: dict[OpId, list[weakref.ref]] = {}  # the weights each op saved (for an input's gradient), which the Ledger skips
+
+    def pack(tensor: torch.Tensor):
+        packed = ledger.pack(tensor)
+        if tracker.current is not None and ledger.excludes(tensor):
+            weights.setdefault(tracker.current, []).append(weakref.ref(packed[0]))  # alive while the graph keeps it
+        return packed
+
     final: list[torch.Tensor] = []  # the final norm's output, for the chunked loss's saves
     hooks = [layer.module.register_forward_pre_hook(layer_arguments(layer.index), with_kwargs=True) for layer in adapter.layers]
     hooks.append(adapter.decoder.norm.register_forward_hook(lambda _m, _a, out: final.append(out)))
@@ -240,9 +248,10 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
         else:
             hooks.append(module.register_forward_pre_hook(lambda _m, args, kwargs, op=op: receive(op, (args, kwargs)), with_kwargs=True))
     try:
-        with ledger.track(), provenance:
+        with ledger.track(), torch.autograd.graph.saved_tensors_hooks(pack, ledger.unpack), provenance:
             loss = _forward(model, ids, labels)
         records = ledger.records()
+        weighted = [op for op, saves in weights.items() if any(ref() is not None for ref in saves)]
         routed = monitor.local_pairs()
         chunked = _chunked_loss_saves(adapter, final[0].detach(), labels)
         loss.backward()
@@ -304,6 +313,10 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
                 chunked=False if op.layer == head and set(savers) & set(LOSS_OPS) else None,
             )
         )
+    saving = {s for r in records for s in r.savers}
+    for op in weighted:  # an op that saved weights only: no bytes, but a save that keeps a recompute region alive
+        if op not in saving:
+            tensors.setdefault(op.layer, []).append(TensorSample(op.name, (op.name,), 1, True, 0))
     saved = {r.key[1] for r in records}
     for ptr, tensor in shared.items():  # arguments nothing saves: held only by recompute regions
         if ptr not in saved:
@@ -358,11 +371,14 @@ def _chunked_loss_saves(adapter: Adapter, hidden: torch.Tensor, labels: torch.Te
 
 
 def _alone(adapter: Adapter) -> list[tuple[OpId, torch.nn.Module | None]]:
-    """The ops that are recompute units of their own, each with the module whose forward its
-    checkpoint region replays (None: an expert op, which the experts' runner replays). Such a
-    region holds every tensor that forward receives, whether or not any op saves it."""
+    """The ops that are recompute units of their own, and the first op of each span a module
+    replays, each with the module whose forward its checkpoint region replays (None: an expert
+    op, which the experts' runner replays). Such a region holds every tensor that forward
+    receives, whether or not any op saves it (a frozen linear under LoRA saves no input)."""
     blocks = [-1, *(layer.index for layer in adapter.layers), adapter.head_index]
-    return [(OpId(b, u[0]), unit_module(adapter, b, u)) for b in blocks for u in block_units(adapter, b) if len(u) == 1]
+    alone = [(OpId(b, u[0]), unit_module(adapter, b, u)) for b in blocks for u in block_units(adapter, b) if len(u) == 1]
+    spans = [(OpId(b, s[0]), unit_module(adapter, b, s)) for b in blocks for s in block_spans(adapter, b)]
+    return alone + [(op, module) for op, module in spans if module is not None]
 
 
 def _receiving(layer: int, receive):
@@ -376,12 +392,12 @@ def _receiving(layer: int, receive):
     return run
 
 
-def _params(adapter: Adapter) -> dict[int, tuple[int, int]]:
-    """(dense, expert) parameters per block."""
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+def _params(adapter: Adapter, frozen: bool = False) -> dict[int, tuple[int, int]]:
+    """(dense, expert) parameters per block; `frozen`: those that do not train."""
+    count = lambda m: sum(p.numel() for p in m.parameters() if not frozen or not p.requires_grad)  # noqa: E731
     out = {-1: (count(adapter.decoder.embed_tokens), 0)}
     for layer in adapter.layers:
-        expert = count(layer.experts) + count(layer.router) if layer.moe else 0
+        expert = count(layer.wrapped or layer.experts) + count(layer.router) if layer.moe else 0
         out[layer.index] = (count(layer.module) - expert, expert)
     out[adapter.head_index] = (count(adapter.decoder.norm) + count(adapter.model.lm_head), 0)
     return out
@@ -390,13 +406,14 @@ def _params(adapter: Adapter) -> dict[int, tuple[int, int]]:
 def _fit(samples: list[dict[int, BlockSample]], adapter: Adapter, hw: HardwareSpec) -> CostModel:
     """One graph per block. Balanced routing puts T * top_k pairs on a rank's experts, also under
     expert parallelism (each of ep ranks sends it 1/ep of its T * top_k)."""
-    params = _params(adapter)
+    params, frozen = _params(adapter), _params(adapter, frozen=True)
     shared_alone = adapter.family.shared_expert_alone
     blocks = {}
     for index, first in samples[0].items():
         units = standard_units(first.kind, first.ops, shared_alone)
         spans = standard_spans(first.kind, first.ops)
-        blocks[index] = fit_block([s[index] for s in samples], adapter.expert_group is not None, *params[index], units, spans)
+        runs = [s[index] for s in samples]
+        blocks[index] = fit_block(runs, adapter.expert_group is not None, *params[index], units, spans, frozen[index])
     return CostModel(blocks, hw, adapter.top_k, name=adapter.family.model_type, source="profiled")
 
 
