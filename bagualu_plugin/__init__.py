@@ -10,6 +10,7 @@ from .adapters.costs import find_conflicts
 from .config import Recipe, RecipeError, load_recipe
 from .costmodel import CostModel, ModelDims, OpId, Parallel
 from .costmodel.plan import Plan
+from .derive import derive_recipe
 from .hardware import HardwareSpec
 from .parallel import expert_parallel
 from .runtime.plan_runtime import apply_plan
@@ -20,5 +21,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CostModel", "HardwareSpec", "ModelDims", "OpId", "Parallel", "Plan", "Recipe", "RecipeError",
-    "apply", "apply_plan", "expert_parallel", "find_conflicts", "list_ops", "load_recipe", "profile",
+    "apply", "apply_plan", "derive_recipe", "expert_parallel", "find_conflicts", "list_ops", "load_recipe", "profile",
 ]

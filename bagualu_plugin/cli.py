@@ -6,12 +6,14 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 
 from .config import RecipeError, load_recipe
 from .costmodel import MITIGATIONS, Curve, MicroBatchCost
 from .families import FAMILIES
+from .hardware import PRESETS
 from .report import plot_curves, plot_timeline, table
 from .stage import Stage
 from .units import fmt_bytes, fmt_seconds
@@ -74,6 +76,20 @@ def _parser() -> argparse.ArgumentParser:
     sm.add_argument("--trace", default=None, metavar="JSONL", help="replay recorded routing (telemetry: routed pairs per MoE gate)")
     sm.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
+    rc = sub.add_parser(
+        "recipe", help="the recipe derived from a saved HF MoE checkpoint and this machine, as YAML (a starting point to edit)"
+    )
+    rc.add_argument("model", metavar="MODEL_PATH", help="a save_pretrained directory (its config.json; no weights are loaded)")
+    rc.add_argument(
+        "--capacity", default=None, metavar="BYTES", help="device memory, e.g. 40GiB (default: the CUDA device's; required on CPU)"
+    )
+    rc.add_argument("--micro-batches", type=_positive("--micro-batches"), default=1, help="gradient-accumulation steps (default 1)")
+    rc.add_argument(
+        "--seq-len", type=_positive("--seq-len"), default=None, help="tokens per sequence (default: the model's max_position_embeddings)"
+    )
+    rc.add_argument("--batch-size", type=_positive("--batch-size"), default=1, help="sequences per micro-batch (default 1)")
+    rc.add_argument("--out", default=None, metavar="FILE", help="write the YAML there instead of printing it")
+
     t = sub.add_parser("tiny-checkpoint", help="write a tiny random-init MoE checkpoint and a character-level tokenizer (offline)")
     t.add_argument("family", choices=sorted(FAMILIES), metavar="FAMILY", help=f"one of {', '.join(sorted(FAMILIES))}")
     t.add_argument("directory", metavar="DIR", help="where to save_pretrained the model and the tokenizer")
@@ -123,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         if args.command == "tiny-checkpoint":
             return _tiny_checkpoint(args)
+        if args.command == "recipe":
+            return _recipe(args)
         if args.command == "simulate":
             return _simulate(args)
         return _curve(args)
@@ -237,6 +255,53 @@ def _profile(args: argparse.Namespace) -> int:
     ]
     print(table(["op", "Δt_f", "Δt_b", "Δm"], rows))
     print(f"\nat T = {top}: {fmt_bytes(cm.activation_bytes(top, seq_len=top))} saved for backward; wrote {args.out}")
+    return 0
+
+
+def _recipe(args: argparse.Namespace) -> int:
+    import torch
+
+    from .derive import checkpoint_model, recipe_of
+
+    try:
+        model = checkpoint_model(args.model)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"bagualu recipe: {args.model}: {exc}") from None
+    seq_len = args.seq_len or getattr(model.config, "max_position_embeddings", None)
+    if seq_len is None:
+        raise SystemExit(f"bagualu recipe: {args.model} has no max_position_embeddings: give --seq-len")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu" and not args.capacity:
+        raise SystemExit(
+            "bagualu recipe: no CUDA device here, so no device memory to derive: give --capacity (the simulated capacity, e.g. 8GiB)"
+        )
+    capacity = int(args.capacity) if args.capacity and args.capacity.isdigit() else args.capacity
+    given = {"hardware": {"capacity_bytes": capacity}} if capacity else None
+    try:
+        recipe = recipe_of(model, given, device=device, processes=1, micro_batches=args.micro_batches,
+                           batch={"seq_len": seq_len, "micro_batch_size": args.batch_size})
+    except ValueError as exc:
+        raise SystemExit(f"bagualu recipe: {args.model}: {exc}") from None
+    hardware = recipe.hardware
+    base = PRESETS[hardware.name]
+    sections = {
+        "hardware": {"preset": hardware.name, "capacity_bytes": hardware.capacity_bytes},
+        "model": {"family": recipe.model.family, **recipe.model.model_dump(mode="json", exclude_defaults=True)},
+        "parallel": recipe.parallel.model_dump(mode="json", exclude_none=True),
+        "pipeline": recipe.pipeline.model_dump(mode="json", exclude_defaults=True) | {"micro_batches": recipe.pipeline.micro_batches},
+        "batch": recipe.batch.model_dump(mode="json"),
+    }
+    assert hardware.model_copy(update={"capacity_bytes": base.capacity_bytes}) == base  # a preset with its capacity replaced
+    text = (
+        f"# derived by `bagualu recipe` from {args.model}: every section is optional in bgl.apply / BagualuCallback,\n"
+        "# which derive the same from the live model; strategies, budget, telemetry and spikes take the defaults\n"
+        + yaml.safe_dump(sections, sort_keys=False)
+    )
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text, end="")
     return 0
 
 

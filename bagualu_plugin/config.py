@@ -355,6 +355,14 @@ def builtin_recipes() -> dict[str, Path]:
 
 def load_recipe(path: str | os.PathLike[str]) -> Recipe:
     """Read and validate a recipe file, or a built-in recipe by name (`glm-423b-a30b`)."""
+    source, data = read_recipe(path)
+    return Recipe.from_dict(data, source)
+
+
+def read_recipe(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
+    """The sections of a recipe file (or of a built-in recipe by name) as written, not yet
+    validated, with the file's name for errors: what `load_recipe` validates as a whole and
+    `derive_recipe` as a partial recipe."""
     builtin = builtin_recipes()
     file = Path(path)
     if not file.is_file() and str(path) in builtin:
@@ -380,4 +388,4 @@ def load_recipe(path: str | os.PathLike[str]) -> Recipe:
         raise RecipeError(source, [("", f"the file is empty; expected {expected}")])
     if not isinstance(data, dict):
         raise RecipeError(source, [("", f"the top level must be {expected}, got a {type(data).__name__}")])
-    return Recipe.from_dict(data, source)
+    return source, data

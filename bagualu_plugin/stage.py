@@ -29,10 +29,11 @@ class Stage:
     chunks: tuple[CostModel, ...]  # the rank's model chunks, vp of them (vp = 1: the rank's blocks)
 
     @classmethod
-    def of(cls, recipe: Recipe, cost: CostModel | None = None, split: bool = True) -> Stage:
+    def of(cls, recipe: Recipe, cost: CostModel | None = None, split: bool = True, static_bytes: int | None = None) -> Stage:
         """`cost`: a whole-model cost model (e.g. profiled; default: analytic from the recipe),
         split to the recipe's pipeline stage, or already the stage's own when `split` is False
-        (the model a pipeline rank holds is its stage)."""
+        (the model a pipeline rank holds is its stage). `static_bytes`: the non-activation bytes
+        measured on a live model (`runtime.static_memory`), instead of the recipe's."""
         par, pipe, budget = recipe.parallel, recipe.pipeline, recipe.budget
         if pipe.vp > 1 and not split:
             raise ValueError(
@@ -44,7 +45,9 @@ class Stage:
         stage = whole.stage(pipe.pp, pipe.rank, pipe.vp) if split else whole
         chunks = tuple(whole.stage(pipe.pp, pipe.rank, pipe.vp, [c]) for c in range(pipe.vp)) if pipe.vp > 1 else (stage,)
         tokens = recipe.batch.tokens
-        if budget.non_activation_bytes == "auto" and budget.fsdp:
+        if static_bytes is not None:
+            static = static_bytes
+        elif budget.non_activation_bytes == "auto" and budget.fsdp:
             static = stage.fsdp_static_bytes(
                 budget.weight_bytes_per_param, budget.grad_bytes_per_param, budget.optimizer_bytes_per_param, shards=par.dp
             )
@@ -98,10 +101,7 @@ class Stage:
 
     @property
     def options(self) -> MitigationOptions:
-        s = self.recipe.strategies
-        return MitigationOptions(
-            fp8_block_size=s.fp8.block_size, offload_min_bytes=s.offload.min_bytes, loss_chunk_tokens=s.loss_chunk_tokens
-        )
+        return mitigation_options(self.recipe)
 
     def micro_batch(self, imbalance: float = 1.0, plan: Mapping[OpId, str] | None = None) -> MicroBatchCost:
         """One micro-batch whose MoE layers receive `imbalance` x the balanced routed pairs."""
@@ -120,3 +120,9 @@ class Stage:
         costs = {(x, c): chunk.micro_batch(x) for x in set(imbalance) for c, chunk in enumerate(chunks)}
         ordered = [costs[x, c] for x in imbalance for c in range(pipe.vp)]
         return iteration_curve(ordered, pipe.pp, pipe.rank, self.static_bytes, pipe.vp)
+
+
+def mitigation_options(recipe: Recipe) -> MitigationOptions:
+    """The knobs of the recipe's strategies, as the cost model and the runtime take them."""
+    s = recipe.strategies
+    return MitigationOptions(fp8_block_size=s.fp8.block_size, offload_min_bytes=s.offload.min_bytes, loss_chunk_tokens=s.loss_chunk_tokens)

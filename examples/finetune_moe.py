@@ -1,14 +1,17 @@
-"""Fine-tune a saved HF MoE checkpoint with adaptive activation memory, under `python` or
-`accelerate launch` (DDP over the processes; expert parallelism when the recipe's `parallel.ep`
-equals their number).
+"""Fine-tune a saved HF MoE checkpoint with adaptive activation memory in a plain Accelerate loop,
+under `python` or `accelerate launch` (DDP over the processes; expert parallelism when the
+recipe's `parallel.ep` equals their number).
 
     accelerate launch --multi_gpu --num_processes 2 examples/finetune_moe.py \\
-        --model CKPT --recipe RECIPE --steps 20 --output-dir out [--data corpus.txt] [--no-adaptive]
+        --model CKPT --steps 20 --output-dir out [--capacity 40GiB] [--recipe R] [--data corpus.txt] [--no-adaptive]
 
-The recipe gives the batch (`batch.seq_len`, `batch.micro_batch_size`), the gradient-accumulation
-steps (`pipeline.micro_batches`; `pipeline.pp` is 1), the processes (`parallel.dp`, `parallel.ep`)
-and the device capacity the plugin plans for. `--no-adaptive` is the same run without the plugin:
-its activations are counted, not limited, so the two runs compare step by step.
+The recipe is derived from the model, the device and the accelerator (`bgl.derive_recipe`); a
+`--recipe` (a YAML file of any of its sections, or a built-in name) overrides what it gives, and
+its `pipeline.micro_batches` and `batch` win over `--micro-batches`, `--batch-size` and
+`--seq-len`. On CPU `--capacity` (or the recipe's `hardware.capacity_bytes`) is the simulated
+device memory the plugin plans for. The loop has no plugin code in it: the plugin finds each
+micro-batch on the model. `--no-adaptive` is the same run without the plugin: its activations are
+counted, not limited, so the two runs compare step by step.
 
 Writes to `--output-dir`: `metrics.jsonl` (per optimizer step: loss, every process's peak device
 bytes, the capacity, tokens/s), `telemetry.jsonl` (the plugin's events; process r > 0 writes
@@ -31,9 +34,9 @@ from accelerate import Accelerator, InitProcessGroupKwargs
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from bagualu_plugin import data, load_recipe
+from bagualu_plugin import data
 from bagualu_plugin.adapters.costs import model_cost
-from bagualu_plugin.config import RecipeError
+from bagualu_plugin.config import RecipeError, read_recipe
 from bagualu_plugin.integrations.accelerate import apply, prepare_model
 from bagualu_plugin.parallel import save_expert_parallel
 from bagualu_plugin.report import plot_steps
@@ -44,7 +47,11 @@ from bagualu_plugin.stage import Stage
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a saved HF MoE checkpoint directory")
-    parser.add_argument("--recipe", required=True, help="a bagualu recipe: built-in name or YAML path")
+    parser.add_argument("--recipe", default=None, help="recipe sections overriding the derived ones: a YAML path or a built-in name")
+    parser.add_argument("--capacity", default=None, help="device memory the plugin plans for, e.g. 40GiB (default: the GPU's)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="gradient-accumulation steps per optimizer step")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
     parser.add_argument("--output-dir", required=True, type=Path)
     parser.add_argument("--data", help="a text file (one document per line) or a saved datasets directory; default: seeded random tokens")
@@ -55,8 +62,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--timeout-s", type=float, default=600.0, help="process group timeout: a stuck collective fails after this many seconds"
     )
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps must be >= 1, got {args.steps}")
+    for flag in ("steps", "micro_batches", "batch_size", "seq_len"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.timeout_s <= 0:
         parser.error(f"--timeout-s must be > 0, got {args.timeout_s}")
     if not (Path(args.model) / "config.json").is_file():
@@ -67,10 +75,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     try:
-        recipe = load_recipe(args.recipe)
+        given = read_recipe(args.recipe)[1] if args.recipe else {}
     except RecipeError as exc:
         sys.exit(f"--recipe: {exc}")
-    m, mbs, seq = recipe.pipeline.micro_batches, recipe.batch.micro_batch_size, recipe.batch.seq_len
+    m = given.get("pipeline", {}).get("micro_batches", args.micro_batches)
+    batch = {"seq_len": args.seq_len, "micro_batch_size": args.batch_size, **given.get("batch", {})}
+    seq, mbs = batch["seq_len"], batch["micro_batch_size"]
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         gradient_accumulation_steps=m,
@@ -80,19 +90,22 @@ def main(argv: list[str] | None = None) -> None:
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
     name = "telemetry.jsonl" if rank == 0 else f"telemetry.rank{rank}.jsonl"  # this run's telemetry, whatever the recipe says
-    recipe = recipe.model_copy(update={"telemetry": recipe.telemetry.model_copy(update={"path": str(out / name)})})
     (out / name).unlink(missing_ok=True)
+    given = {**given, "batch": batch, "telemetry": {"path": str(out / name)}}
+    if args.capacity:
+        capacity = int(args.capacity) if args.capacity.isdigit() else args.capacity
+        given["hardware"] = {**given.get("hardware", {}), "capacity_bytes": capacity}
 
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, experts_implementation="bagualu").train()
     try:
         if args.no_adaptive:
-            recipe, prov = prepare_model(model, recipe, accelerator), None
+            recipe, prov = prepare_model(model, given, accelerator), None
         else:
-            prov = apply(model, recipe, accelerator)
+            prov = apply(model, given, accelerator)
             recipe = prov.recipe
     except ValueError as exc:
-        sys.exit(f"--recipe {args.recipe}: {exc}")
+        sys.exit(f"--recipe {args.recipe}: {exc}" if args.recipe else str(exc))
     stage = prov.stage if prov else Stage.of(recipe, model_cost(model, recipe.hardware), split=False)
     ledger = prov.ledger if prov else Ledger.for_model(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -115,16 +128,16 @@ def main(argv: list[str] | None = None) -> None:
             start, losses = time.perf_counter(), []
             for ids in next(batches):
                 ids = ids.to(accelerator.device)
-                with accelerator.accumulate(model):
-                    with prov.micro_batch(ids) if prov else ledger.track():
-                        loss = model(input_ids=ids, labels=ids).loss
-                        accelerator.backward(loss)
+                with accelerator.accumulate(model), contextlib.nullcontext() if prov else ledger.track():
+                    loss = model(input_ids=ids, labels=ids).loss
+                    accelerator.backward(loss)
                     losses.append(loss.detach())
                     optimizer.step()
                     optimizer.zero_grad()
             seconds = time.perf_counter() - start
             loss = accelerator.reduce(torch.stack(losses).mean(), "mean").item()
-            peaks = accelerator.gather(torch.tensor([stage.static_bytes + ledger.peak_device_bytes], device=accelerator.device))
+            static = prov.stage.static_bytes if prov else stage.static_bytes  # the plugin's is re-based as the optimizer's state appears
+            peaks = accelerator.gather(torch.tensor([static + ledger.peak_device_bytes], device=accelerator.device))
             line = {
                 "step": step, "loss": loss, "peak_device_bytes": peaks.tolist(), "capacity_bytes": stage.capacity,
                 "tokens_per_s": n * m * mbs * seq / seconds,

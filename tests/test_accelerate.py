@@ -31,6 +31,7 @@ from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
 from bagualu_plugin.adapters.tiny import save_tiny, tiny_model, tiny_tokenizer  # noqa: E402
 from bagualu_plugin.config import Recipe  # noqa: E402
 from bagualu_plugin.costmodel import ModelDims  # noqa: E402
+from bagualu_plugin.derive import recipe_of  # noqa: E402
 from bagualu_plugin.integrations.accelerate import prepare_model  # noqa: E402
 from bagualu_plugin.parallel.launch import free_port  # noqa: E402
 
@@ -223,7 +224,10 @@ def test_launch_configs_load_with_accelerate_s_own_classes(name):
 
 
 def test_the_tiny_recipe_is_the_tests_own():
-    assert bgl.load_recipe(RECIPES / "tiny-qwen3-moe-2cpu.yaml") == Recipe.from_dict(_recipe(dp=2))
+    """It says what cannot be derived; the rest comes from the model and the two processes."""
+    path, cpu = RECIPES / "tiny-qwen3-moe-2cpu.yaml", torch.device("cpu")
+    derived = recipe_of(_model(), path, device=cpu, processes=2, micro_batches=1, batch=None)
+    assert derived == Recipe.from_dict(_recipe(dp=2))
 
 
 def test_a_quantized_checkpoint_is_refused_with_the_way_to_load_it():

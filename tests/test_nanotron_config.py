@@ -11,7 +11,10 @@ import pytest
 pytest.importorskip("nanotron")
 
 from nanotron_configs import config_dict, load  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
+from bagualu_plugin.adapters.costs import model_dims  # noqa: E402
+from bagualu_plugin.adapters.tiny import save_tiny  # noqa: E402
 from bagualu_plugin.config import RecipeError  # noqa: E402
 from bagualu_plugin.integrations.nanotron import compat  # noqa: E402
 from bagualu_plugin.integrations.nanotron.config import Config, recipe_for  # noqa: E402
@@ -128,14 +131,41 @@ def test_recompute_owned_twice(tmp_path, owner):
         dataclasses.replace(config)
 
 
-def test_enabled_without_recipe(tmp_path):
-    with pytest.raises(RecipeError, match=r"bagualu\.recipe or an inline bagualu\.hardware"):
-        load(tmp_path, nanotron_dict(bagualu={"enabled": True}))
+def test_enabled_without_a_checkpoint_needs_the_model(tmp_path):
+    with pytest.raises(RecipeError, match=r"bagualu\.model: required: model\.init_method is a random init"):
+        load(tmp_path, nanotron_dict(bagualu={"enabled": True, "hardware": {"capacity_bytes": "1GB"}}))
 
 
-def test_inline_without_model(tmp_path):
-    with pytest.raises(RecipeError, match=r"bagualu\.model: required, but missing"):
-        load(tmp_path, nanotron_dict(bagualu={"enabled": True, "hardware": "cpu"}))
+def _checkpoint_dict(tmp_path, bagualu: dict) -> dict:
+    """A config training a saved tiny Qwen3-MoE (4 layers) from its checkpoint."""
+    save_tiny("qwen3_moe", tmp_path / "ckpt", num_hidden_layers=4)
+    data = nanotron_dict(bagualu=bagualu)
+    data["model"] = {
+        "init_method": {"path": str(tmp_path / "ckpt")},
+        "model_config": {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128},
+    }
+    return data
+
+
+def test_enabled_with_the_capacity_is_a_complete_section(tmp_path):
+    """The dimensions come from the checkpoint at model.init_method.path, as bgl.derive_recipe
+    reads them off the live model."""
+    config = load(tmp_path, _checkpoint_dict(tmp_path, {"enabled": True, "hardware": {"capacity_bytes": "1GB"}}))
+    recipe = recipe_for(config, 1)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", local_files_only=True)
+    assert recipe.model == model_dims(model)
+    assert (recipe.hardware.name, recipe.hardware.capacity_bytes, recipe.pipeline.rank) == ("cpu", 10**9, 1)
+
+
+def test_on_cpu_the_capacity_is_needed(tmp_path):
+    with pytest.raises(RecipeError, match=r"bagualu\.hardware\.capacity_bytes: the model is on cpu"):
+        load(tmp_path, _checkpoint_dict(tmp_path, {"enabled": True}))
+
+
+def test_a_given_model_disagreeing_with_the_checkpoint(tmp_path):
+    section = {"enabled": True, "hardware": {"capacity_bytes": "1GB"}, "model": {"family": "qwen3_moe", "top_k": 4}}
+    with pytest.raises(RecipeError, match=r"bagualu\.model\.top_k: 4 given, but the checkpoint at model\.init_method\.path .* has 2"):
+        load(tmp_path, _checkpoint_dict(tmp_path, section))
 
 
 def test_recipe_and_inline_together(tmp_path):

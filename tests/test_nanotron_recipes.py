@@ -119,24 +119,36 @@ def test_model_config_disagreeing_names_the_field(tmp_path, capsys):
     assert rc == 2 and f"bagualu.model.num_experts: {expected}" in err
 
 
+def _checkpoint_command(config: Path) -> re.Match:
+    """The header's `bagualu tiny-checkpoint FAMILY DIR --layers N`."""
+    return re.search(r"bagualu tiny-checkpoint (\S+) (\S+) --layers (\d+)", config.read_text())
+
+
 def test_tiny_configs_cover_the_three_families():
-    families = {yaml.safe_load(p.read_text())["bagualu"]["model"]["family"] for p in TINY}
-    assert families >= {"glm4_moe", "deepseek_v3", "qwen3_moe"}
+    """Their bagualu sections name no model: its dimensions come from the checkpoint."""
+    assert {_checkpoint_command(p).group(1) for p in TINY} >= {"glm4_moe", "deepseek_v3", "qwen3_moe"}
     for path in TINY:
         data = yaml.safe_load(path.read_text())
         layers = data["model"]["model_config"]["num_hidden_layers"]
         assert layers % 2 == 0 and layers % 4 == 0 and data["bagualu"]["spikes"]["enabled"] is False
+        assert "model" not in data["bagualu"] and _checkpoint_command(path).group(2) == data["model"]["init_method"]["path"]
+
+
+def _build_checkpoint(tmp_path: Path, config: Path) -> dict:
+    """In `tmp_path`, as a user would: the header's tiny-checkpoint command."""
+    checkpoint = _checkpoint_command(config)
+    cli = [sys.executable, "-m", "bagualu_plugin.cli", "tiny-checkpoint", *checkpoint.groups()[:2], "--layers", checkpoint.group(3)]
+    subprocess.run(cli, cwd=tmp_path, env=_ENV, check=True, capture_output=True, timeout=120)
+    return yaml.safe_load(config.read_text())
+
+
+_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
 
 
 def _run_tiny(tmp_path: Path, config: Path, nproc: int, change=None) -> list[dict]:
     """In `tmp_path`, as a user would: the header's tiny-checkpoint command, then the launcher."""
-    data = yaml.safe_load(config.read_text())
-    family = data["bagualu"]["model"]["family"]
-    checkpoint = re.search(r"bagualu tiny-checkpoint (\S+) (\S+) --layers (\d+)", config.read_text())
-    assert checkpoint.group(1) == family and checkpoint.group(2) == data["model"]["init_method"]["path"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    cli = [sys.executable, "-m", "bagualu_plugin.cli", "tiny-checkpoint", *checkpoint.groups()[:2], "--layers", checkpoint.group(3)]
-    subprocess.run(cli, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
+    data = _build_checkpoint(tmp_path, config)
+    env = _ENV
     if change is not None:
         change(data)
     (tmp_path / config.name).write_text(yaml.safe_dump(data))
@@ -148,10 +160,11 @@ def _run_tiny(tmp_path: Path, config: Path, nproc: int, change=None) -> list[dic
 
 
 @pytest.mark.parametrize("path", TINY, ids=[p.stem for p in TINY])
-def test_tiny_config_runs_as_it_is(tmp_path, path, capsys):
+def test_tiny_config_runs_as_it_is(tmp_path, path, capsys, monkeypatch):
+    data = _build_checkpoint(tmp_path, path)
+    monkeypatch.chdir(tmp_path)  # the checkpoint's path is relative to where the user runs
     rc, out, err = validate(path, capsys)
     assert (rc, err) == (0, "") and out.startswith(f"ok: {path} (nanotron config, ")
-    data = yaml.safe_load(path.read_text())
     metrics = _run_tiny(tmp_path, path, data["parallelism"]["pp"])
     assert [m["iteration"] for m in metrics] == list(range(data["tokens"]["train_steps"]))
     capacity = data["bagualu"]["hardware"]["capacity_bytes"]

@@ -54,7 +54,7 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
         fields = [
             "micro_batch", "phase", "budget", "predicted", "plan", "escalations", "deferred", "tokens", "seq_len",
             "reload_bytes", "planner_s", "actual", "peak_device_bytes", "live_after_backward", "point", "routed",
-            "balanced_pairs",
+            "balanced_pairs", "kind",
         ]
         assert all(list(e) == fields for e in lines)
         # the routing each MoE gate saw (what `bagualu simulate --trace` replays)

@@ -358,11 +358,12 @@ class Ledger:
         with self._locked():
             return self._peak
 
-    def reset_peak(self) -> None:
-        """Restart the peak from now, the allocator's too on CUDA (`max_allocated_bytes`)."""
+    def reset_peak(self, allocator: bool = True) -> None:
+        """Restart the peak from now, the allocator's too on CUDA (`max_allocated_bytes`) unless
+        `allocator` is False."""
         with self._locked():
             self._peak = self._bytes["device"] + self._in_flight_bytes
-        if self.device.type == "cuda":
+        if allocator and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def by_op(self, residency: Residency = "device") -> dict[object, int]:

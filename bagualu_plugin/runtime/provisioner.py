@@ -15,12 +15,12 @@ adds. After the forward the budget is replaced by what the Ledger counted. The e
 from __future__ import annotations
 
 import json
+import os
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
+from contextlib import AbstractContextManager, ExitStack
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,14 +29,17 @@ from torch import nn
 from ..adapters import Adapter
 from ..adapters.costs import model_cost
 from ..adapters.gate import GateMonitor
-from ..config import Recipe
+from ..config import Batch, Recipe
 from ..costmodel import CostModel
 from ..costmodel.plan import Plan
+from ..derive import derive_recipe
 from ..planner import CachedPlanner, GatePlan, LayerCost, escalated, gate_costs, plan_for_gates
 from ..planner.dual_batch import ScheduleCache, executor_stages
-from ..stage import Stage
+from ..stage import Stage, mitigation_options
+from .boundaries import Boundaries, ForwardKind
 from .ledger import Ledger
 from .plan_runtime import PlanRuntime
+from .static_memory import StaticMemory
 
 EVENTS_KEPT = 4096  # events held in memory; the telemetry file has them all
 INSTALLED_ATTR = "_bagualu_provisioner"  # on the HF model while a Provisioner is installed
@@ -83,6 +86,7 @@ class Event:
     point: dict | None = None  # the fused scheduling point it began (runtime.dual_batch), if any
     routed: dict[int, int] = field(default_factory=dict)  # local routed pairs at each MoE layer's gate
     balanced_pairs: float = 0.0  # what balanced routing brings each MoE layer: `routed` / this is its imbalance
+    kind: dict = field(default_factory=dict)  # how its forward ran (`runtime.boundaries.ForwardKind`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -135,35 +139,37 @@ def _check_recompute_owner(adapter: Adapter) -> None:
 class Provisioner:
     def __init__(self, model: nn.Module, recipe: Recipe, cost: CostModel | None = None):
         """`model` is this pipeline rank's stage; `cost` its cost model (default: the analytic one
-        of the model's config)."""
+        of the model's config). With `pipeline.pp` 1 the micro-batches' boundaries are found on
+        the model (`runtime.boundaries`): no engine needs to call begin_forward and the rest."""
         self.recipe = recipe
         adapter = Adapter(model)
         if getattr(adapter.model, INSTALLED_ATTR, None) is not None:
             raise ValueError("bgl.apply: this model has a Provisioner installed already; call .remove() on it first")
         _check_recompute_owner(adapter)
         _check_expert_group(adapter, recipe)
-        self.stage = Stage.of(recipe, cost or model_cost(model, recipe.hardware), split=False)
+        self.runtime = PlanRuntime(
+            model,
+            options=mitigation_options(recipe),
+            capacity_bytes=recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes if recipe.hardware.simulated else None,
+        )
+        budget = recipe.budget
+        measured = budget.non_activation_bytes == "auto" and not budget.fsdp  # else the recipe's number, or FSDP's formula
+        self.static = StaticMemory(adapter.model, self.ledger) if measured else None
+        # the cost model of each kind of forward (`runtime.boundaries.ForwardKind`: attention with a
+        # mask, TRL's fused head), built when the first micro-batch of that kind comes; a given cost
+        # model has no twins
+        plain = ForwardKind()
+        self._costs = {plain: cost or model_cost(model, recipe.hardware)}
+        self._given_cost = cost is not None
+        self._planners: dict[ForwardKind, CachedPlanner | None] = {plain: None}  # made by _set_stage
+        self._set_stage(Stage.of(recipe, self._costs[plain], split=False, static_bytes=self.static.measure() if measured else None))
         stage = self.stage
-        self._first = stage.budgets()
         self.budgets = self._first
         # the schedule's phase of each forward: 1F1B's steady phase starts one forward before
         # Algorithm 1's does (that forward also runs before any backward, so it is budgeted as warmup)
         self.phases = {s.micro_batch: s.phase for s in stage.schedule if s.kind == "F"}
-        balanced = stage.tokens * stage.cost.pairs_per_token
-        self.planner = CachedPlanner(  # cache buckets: 1/16 of M0 and of the balanced routing
-            stage.cost,
-            budget_quantum=max(1, stage.min_budget // 16),
-            routed_quantum=max(1, int(balanced) // 16),
-            strategies=recipe.strategies.allowed,
-            options=stage.options,
-        )
         self.schedules = ScheduleCache(executor_stages(stage.chunks, stage.options))  # fused points' orders (runtime.dual_batch)
-        self.runtime = PlanRuntime(
-            model,
-            options=stage.options,
-            capacity_bytes=stage.capacity if recipe.hardware.simulated else None,
-            static_bytes=stage.static_bytes,
-        ).install()
+        self.runtime.install()
         self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate)  # installed while a forward runs
         self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
         # the latest micro-batches' events (a long run would otherwise grow without bound) and
@@ -174,18 +180,100 @@ class Provisioner:
         self._plans: dict[int, Plan] = {}  # the plan each awaiting micro-batch ran, escalations included
         self._forward: _Forward | None = None
         self._layer_costs: dict[tuple, dict[int, LayerCost]] = {}
-        self._accumulated = 0  # micro_batch(): micro-batches of the current optimizer step so far
+        self._shapes: set[tuple[int, int, ForwardKind]] = set()  # (tokens, seq_len, kind) of the micro-batches seen
+        self._peak = 0  # peak_device_bytes before the static bytes last changed
         setattr(adapter.model, INSTALLED_ATTR, self)
+        self.boundaries = Boundaries(self) if recipe.pipeline.pp == 1 else None
+        if self.static is not None:
+            self.static.watch(self._rebase)
+
+    def _set_stage(self, stage: Stage) -> None:
+        """Plan for `stage` from now on: its Algorithm 1 (which checks that M0 fits) and planners
+        whose cache buckets are 1/16 of its M0 and of its balanced routing."""
+        first = stage.budgets()
+        self.stage, self.recipe, self._first = stage, stage.recipe, first
+        self.ledger.static_bytes = stage.static_bytes
+        self._planners = {kind: self._planner(kind) for kind in self._planners}
+
+    def _planner(self, kind: ForwardKind) -> CachedPlanner:
+        stage = self.stage
+        return CachedPlanner(
+            self._cost(kind),
+            budget_quantum=max(1, stage.min_budget // 16),
+            routed_quantum=max(1, int(stage.tokens * stage.cost.pairs_per_token) // 16),
+            strategies=self.recipe.strategies.allowed,
+            options=stage.options,
+        )
+
+    def _cost(self, kind: ForwardKind) -> CostModel:
+        """The cost model of micro-batches of `kind`."""
+        if kind not in self._costs:
+            if not self._given_cost:
+                self._costs[kind] = model_cost(self.runtime.adapter.model, self.recipe.hardware, **kind._asdict())
+            else:  # a given cost model: plan the micro-batch as if its forward were plain
+                warnings.warn(
+                    f"a micro-batch's forward runs as {kind} (a masked attention, TRL's fused head, a counted or auxiliary "
+                    "loss), which the cost model given to bgl.apply does not describe: it is planned as a plain forward; let "
+                    "bgl.apply build its cost model",
+                    RuntimeWarning, stacklevel=4,
+                )
+                self._costs[kind] = self._costs[ForwardKind()]
+        return self._costs[kind]
+
+    def _rebase(self) -> None:
+        """Algorithm 1's M_used follows the measured static bytes (an optimizer's first step adds
+        its state; on CUDA the allocator is read again at each iteration): never above capacity."""
+        static = self.static.measure()
+        if static == self.stage.static_bytes:
+            return
+        before = self.stage.static_bytes
+        self._peak = self.peak_device_bytes  # the peak so far, on the static bytes of its time
+        self.ledger.reset_peak(allocator=False)
+        try:
+            self._set_stage(replace(self.stage, static_bytes=static))
+        except ValueError as error:
+            raise ValueError(
+                f"the weights, gradients and optimizer state now take {static} bytes on the device (were {before}): {error}"
+            ) from None
+        self.budgets = replace(self.budgets, used=self.budgets.used + static - before)
+
+    def _grow(self, mb: int, tokens: int, seq_len: int, kind: ForwardKind) -> None:
+        """A micro-batch larger than any before (or of a kind none was): M0 at its shape and kind,
+        checked to fit; the stage keeps the larger M0."""
+        self._shapes.add((tokens, seq_len, kind))
+        stage = self.stage
+        batch = Batch(seq_len=seq_len, micro_batch_size=-(-tokens // seq_len))
+        if kind not in self._planners:
+            self._planners[kind] = self._planner(kind)
+        elif tokens <= stage.tokens and seq_len <= stage.recipe.batch.seq_len:
+            return
+        try:
+            recipe = stage.recipe.model_copy(update={"batch": batch})
+            grown = Stage.of(recipe, self._cost(kind), split=False, static_bytes=stage.static_bytes)
+            if grown.min_budget > stage.min_budget:
+                self._set_stage(replace(grown, cost=stage.cost, chunks=stage.chunks))
+                self.budgets = replace(self.budgets, min_budget=grown.min_budget)
+        except ValueError as error:
+            raise ValueError(
+                f"micro-batch {mb} of {tokens} tokens ({batch.micro_batch_size} x {seq_len}) cannot fit: {error}"
+            ) from None
 
     @property
     def ledger(self) -> Ledger:
         return self.runtime.ledger
 
+    @property
+    def peak_device_bytes(self) -> int:
+        """The most device memory the stage has used since it was built: static bytes and the
+        Ledger's activations together (on CPU, the simulated device's)."""
+        return max(self._peak, self.stage.static_bytes + self.ledger.peak_device_bytes)
+
     def begin_forward(
-        self, mb: int, tokens: int, seq_len: int, *, phase: str | None = None, in_flight: int | None = None
+        self, mb: int, tokens: int, seq_len: int, *, kind: ForwardKind = ForwardKind(), phase: str | None = None,
+        in_flight: int | None = None,
     ) -> None:
-        """Budget and plan micro-batch `mb` of `tokens` tokens for the normal routing band; its
-        saved tensors go through the plan until `end_forward`. An engine that knows the schedule
+        """Budget and plan micro-batch `mb` of `tokens` tokens, its forward of `kind`, for the normal
+        routing band; its saved tensors go through the plan until `end_forward`. An engine that knows the schedule
         passes `phase` ("warmup" or "steady") and `in_flight` (micro-batches awaiting backward,
         nanotron's `len(state.microbatches_activations_requiring_backward)`): they are checked
         against Algorithm 1's state, whose budgets are wrong if the two disagree."""
@@ -198,7 +286,12 @@ class Provisioner:
                 raise ValueError(
                     f"begin_forward(0): micro-batches {sorted(self._awaiting_backward)} of the last iteration await end_backward"
                 )
-            self.budgets = self._first
+            if self.static is not None and self.ledger.device.type == "cuda":
+                self._rebase()
+            left = self.ledger.live_device_bytes  # graphs kept from before (an abandoned forward's): no budget's to give
+            self.budgets = replace(self._first, used=self._first.used + left) if left else self._first
+        if (tokens, seq_len, kind) not in self._shapes:
+            self._grow(mb, tokens, seq_len, kind)
         pipe = self.recipe.pipeline
         scheduled = self.phases.get(mb, "steady")
         for name, given, wanted in (("phase", phase, scheduled), ("in_flight", in_flight, len(self._awaiting_backward))):
@@ -215,8 +308,9 @@ class Provisioner:
         spikes = self.recipe.spikes
         planned = pairs * spikes.normal_max_imbalance
         routed = [planned] * len(self.stage.cost.moe_layers)
+        planner = self._planners[kind]
         gates = plan_for_gates(
-            lambda b: self.planner.plan(b, tokens, routed, seq_len), lambda plan: self._gate_costs(plan, tokens, seq_len, planned),
+            lambda b: planner.plan(b, tokens, routed, seq_len), lambda plan: self._gate_costs(plan, tokens, seq_len, planned, kind),
             budget, planned, pairs * spikes.spike_max_imbalance,
         )
         decision = gates.decision
@@ -230,7 +324,7 @@ class Provisioner:
         self.runtime.set_plan(decision.plan)
         plan = {str(op): s for op, s in sorted(decision.plan.items())}
         event = Event(mb, scheduled, budget, decision.activation_bytes, plan, [], [], tokens, seq_len, decision.reload_bytes)
-        event.balanced_pairs = pairs
+        event.balanced_pairs, event.kind = pairs, kind._asdict()
         self.ledger.micro_batch = mb
         hooks = ExitStack()
         hooks.enter_context(self.runtime.forward())
@@ -238,10 +332,10 @@ class Provisioner:
         self._forward = _Forward(event, gates, gates.slack, self.budgets.headroom(mb), hooks)
         event.planner_s = time.perf_counter() - start
 
-    def _gate_costs(self, plan: Plan, tokens: int, seq_len: int, planned: float) -> dict[int, LayerCost]:
-        key = (tuple(sorted(plan.items())), tokens, seq_len)
+    def _gate_costs(self, plan: Plan, tokens: int, seq_len: int, planned: float, kind: ForwardKind) -> dict[int, LayerCost]:
+        key = (tuple(sorted(plan.items())), tokens, seq_len, kind)
         if key not in self._layer_costs:  # as few as the planner's cached decisions
-            self._layer_costs[key] = gate_costs(self.stage.cost, plan, tokens, seq_len, planned, self.stage.options)
+            self._layer_costs[key] = gate_costs(self._cost(kind), plan, tokens, seq_len, planned, self.stage.options)
         return self._layer_costs[key]
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
@@ -271,7 +365,7 @@ class Provisioner:
         actual = self.ledger.by_micro_batch().get(mb, 0)
         self.budgets = self.budgets.after_forward(mb, actual + round(f.event.reload_bytes))
         f.event.actual = actual
-        f.event.peak_device_bytes = self.ledger.peak_device_bytes + self.stage.static_bytes
+        f.event.peak_device_bytes = self.peak_device_bytes
         self.events.append(f.event)
         self.forwards += 1
         self.planner_s += f.event.planner_s
@@ -311,58 +405,47 @@ class Provisioner:
                 f.write(event.to_json() + "\n")
         return live
 
-    @contextmanager
-    def micro_batch(self, input_ids: torch.Tensor) -> Iterator[int]:
-        """One micro-batch of a loop without pipeline parallelism (gradient accumulation under
-        Accelerate, DDP, FSDP or plain torch; the recipe's pp is 1): run its forward and its
-        backward inside the block. The micro-batches of one optimizer step are counted
-        (`pipeline.micro_batches` of them, yielded as 0, 1, ...); the forward ends where the HF
-        model's forward returns, so the backward in the block runs under no plan's hooks."""
-        pipe = self.recipe.pipeline
-        if pipe.pp != 1:
-            raise ValueError(f"micro_batch() runs without pipeline parallelism, but the recipe has pipeline.pp={pipe.pp}")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"micro_batch(input_ids): expected the (batch, sequence) token ids, got {input_ids!r:.80}")
-        mb = self._accumulated
-        self.begin_forward(mb, input_ids.numel(), input_ids.shape[-1])
-        forwards = []
+    def micro_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> AbstractContextManager[int]:
+        """One micro-batch of a loop without pipeline parallelism, explicitly: its forward and
+        backward run inside the block (`runtime.boundaries.Boundaries.explicit`); pass the
+        forward's `attention_mask` where it pads. Without the block the plugin finds the same
+        boundaries itself."""
+        if self.boundaries is None:
+            pp = self.recipe.pipeline.pp
+            raise ValueError(f"micro_batch() runs without pipeline parallelism, but the recipe has pipeline.pp={pp}")
+        return self.boundaries.explicit(input_ids, attention_mask)
 
-        def ended(*_):
-            if forwards:
-                raise ValueError(f"micro_batch({mb}): the model ran a second forward inside one micro-batch")
-            forwards.append(self.end_forward(mb))
-
-        hook = self.runtime.adapter.model.register_forward_hook(ended)
-        try:
-            yield mb
-        except BaseException:
-            self._abandon()
-            raise
-        finally:
-            hook.remove()
-        if not forwards:
-            self._abandon()
-            raise ValueError(f"micro_batch({mb}): the model ran no forward inside the block")
-        self.end_backward(mb)
-        self._accumulated = (mb + 1) % pipe.micro_batches
-
-    def _abandon(self) -> None:
-        """A micro_batch block failed: the optimizer step's accounting is dropped (its forward's
-        hooks closed, nothing awaits a backward), and the next micro-batch starts a new step."""
+    def abandon(self) -> None:
+        """The micro-batches begun and not ended (a step raised, or a forward's output never went
+        backward) leave nothing behind: their forward's hooks closed, their events dropped, and
+        the next micro-batch begins a new iteration."""
         if self._forward is not None:
             self._forward.hooks.close()
             self._forward = None
+        dropped = set(map(id, self._awaiting_backward.values()))
+        if dropped:
+            kept = [e for e in self.events if id(e) not in dropped]
+            self.events.clear()
+            self.events.extend(kept)
+            self.forwards -= len(dropped)
         self._awaiting_backward.clear()
         self._plans.clear()
-        self._accumulated = 0
 
     def remove(self) -> None:
+        """Uninstall everything; the events stay readable."""
+        if self.boundaries is not None:
+            self.boundaries.remove()
+        if self.static is not None:
+            self.static.remove()
+        self.abandon()
         self.gate.remove()
         self.runtime.remove()
         if getattr(self.runtime.adapter.model, INSTALLED_ATTR, None) is self:
             delattr(self.runtime.adapter.model, INSTALLED_ATTR)
 
 
-def apply(model: nn.Module, recipe: Recipe, cost: CostModel | None = None) -> Provisioner:
-    """`bgl.apply`: install adaptive activation provisioning on `model` as `recipe` says."""
-    return Provisioner(model, recipe, cost)
+def apply(model: nn.Module, recipe: Recipe | dict | str | os.PathLike[str] | None = None, cost: CostModel | None = None) -> Provisioner:
+    """`bgl.apply`: install adaptive activation provisioning on `model`. `recipe`: a full `Recipe`
+    as it is, or what `bgl.derive_recipe` completes from the model, the device and the launcher
+    (absent, a partial dict or a YAML path)."""
+    return Provisioner(model, recipe if isinstance(recipe, Recipe) else derive_recipe(model, recipe), cost)

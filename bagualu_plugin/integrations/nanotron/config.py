@@ -2,9 +2,9 @@
 
 nanotron reads YAML into dataclasses with dacite `strict=True`, so an extra section needs a
 `Config` subclass (the pattern of nanotron's DoReMi example); the launcher passes it as
-`config_class=`. The section holds only what nanotron does not know: the hardware, the model's
-dimensions for the cost model, and the recipe's budget, strategies, spikes and telemetry, either
-inline or as a recipe (a built-in name or a path). Pipeline size and rank, micro-batches, batch
+`config_class=`. The section holds only what neither nanotron nor the checkpoint knows: the
+recipe's budget, strategies, spikes and telemetry (and, to override them, the hardware and the
+model's dimensions), either inline or as a recipe (a built-in name or a path). Pipeline size and rank, micro-batches, batch
 shape and dp/tp/ep come from nanotron's own sections; a recipe that repeats one of them must agree.
 nanotron lays expert parallelism beside data parallelism (world = ep x pp x dp x tp), while a
 recipe's expert-parallel group lives inside its data-parallel one: the recipe's `parallel.dp` is
@@ -13,10 +13,13 @@ nanotron's dp x expert_parallel_size, the replicas of the dense weights.
 `metrics_path` is the launcher's: one JSON line per iteration, written with the section enabled
 or not, so that stock and plugin runs compare.
 
-The model's dimensions come from the recipe's `model` section, not from nanotron's `model_config`:
-nanotron's model configs (Llama, Starcoder2, Qwen2 with optional MoE, or a user's own) do not carry
-what the cost model needs (family, head_dim, shared experts, dense layers); the fields both name
-must agree.
+The model's dimensions come from the HF checkpoint the launcher trains (`model.init_method.path`),
+not from nanotron's `model_config`: nanotron's model configs (Llama, Starcoder2, Qwen2 with optional
+MoE, or a user's own) do not carry what the cost model needs (family, head_dim, shared experts,
+dense layers). A `model` section is needed only without a checkpoint on disk; given, it must agree
+with the checkpoint, and nanotron's `model_config` fields with both. The hardware is this process's
+device (`bagualu_plugin.derive`); on CPU `hardware.capacity_bytes`, the simulated capacity, is
+needed. So `bagualu: {enabled: true}` (with the capacity on CPU) is a complete section.
 
 Every problem is an error while the config loads, before training starts: nanotron's `Config`
 runs `__post_init__` on load and again when `save_as_yaml` reloads what it wrote.
@@ -25,12 +28,17 @@ runs `__post_init__` on load and again when `save_as_yaml` reloads what it wrote
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 import dacite
+import torch
 import yaml
 
+from ...adapters.costs import model_dims
 from ...config import Recipe, RecipeError, load_recipe
+from ...derive import checkpoint_model, disagreements, hardware_of
 from ...planner.dual_batch import check_pipeline
 from ...stage import Stage
 from ...units import fmt_bytes
@@ -119,10 +127,9 @@ def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
         written = load_recipe(args.recipe)
         source, prefix = args.recipe, ""
         data = written.model_dump(exclude_unset=True)
-    elif "hardware" in inline:
-        source, prefix, data = _SOURCE, "bagualu.", inline
     else:
-        raise RecipeError(_SOURCE, [("bagualu.recipe", "bagualu.enabled needs bagualu.recipe or an inline bagualu.hardware")])
+        source, prefix, data = _SOURCE, "bagualu.", dict(inline)
+    data = {**data, **_checkpoint_sections(config, data, source, prefix)}
     par, tokens = config.parallelism, config.tokens
     if args.dual_batch:
         try:
@@ -169,6 +176,35 @@ def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
         return Recipe.from_dict(data, source)
     except RecipeError as exc:
         raise RecipeError(source, [(prefix + path if path else path, msg) for path, msg in exc.problems]) from None
+
+
+def _checkpoint_sections(config: Config, data: dict, source: str, prefix: str) -> dict:
+    """What the section leaves out and the run knows: the model's dimensions from the HF
+    checkpoint at `model.init_method.path` (a given `model` must agree with it), the hardware from
+    this process's device (`derive.hardware_of`: on CPU the simulated capacity must be given)."""
+    sections = {}
+    path = getattr(config.model.init_method, "path", None)
+    if path is not None and (Path(path) / "config.json").is_file():
+        derived = _dims(str(Path(path).resolve()))
+        problems = disagreements(data.get("model"), derived, f"the checkpoint at model.init_method.path ({path})")
+        if problems:
+            raise RecipeError(source, [(prefix + p, m) for p, m in problems])
+        sections["model"] = derived
+    elif "model" not in data:
+        where = f"no config.json at model.init_method.path ({path})" if path else "model.init_method is a random init"
+        raise RecipeError(source, [(prefix + "model", f"required: {where}, so the dimensions cannot be read from a checkpoint")])
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        sections["hardware"] = hardware_of(data.get("hardware"), device, source)
+    except RecipeError as exc:
+        raise RecipeError(source, [(prefix + p, m) for p, m in exc.problems]) from None
+    return sections
+
+
+@cache
+def _dims(path: str) -> dict:
+    """The checkpoint's dimensions (every rank's recipe, and every reload of the config, reads them)."""
+    return model_dims(checkpoint_model(path)).model_dump()
 
 
 def _get(obj: Any, dotted: str) -> Any:

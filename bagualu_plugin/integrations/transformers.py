@@ -1,0 +1,148 @@
+"""HF Trainer and TRL: adaptive activation memory as a `TrainerCallback`.
+
+    trainer = SFTTrainer(model=model, args=SFTConfig(..., gradient_checkpointing=False),
+                         train_dataset=dataset, callbacks=[BagualuCallback()])
+    trainer.train()
+
+At train begin the callback derives the recipe from the model, the device, the process group and
+the training arguments (gradient-accumulation steps, per-device batch, TRL's `max_length`), with
+whatever `recipe` gives winning (on CPU at least `{"hardware": {"capacity_bytes": ...}}`), and
+installs a Provisioner on the model (`callback.provisioner`); the Trainer's loop runs unchanged,
+each micro-batch found on the model (`runtime.boundaries`). At train end it removes itself; the
+Provisioner's events stay readable. Its figures go into each of the Trainer's log records
+(`state.log_history`) and to the loggers called after it.
+
+`UnplannedCallback` is the same run's memory without the plugin (counted, not limited), for sizing
+the capacity or comparing.
+
+Expert parallelism (`recipe={"parallel": {"ep": N}}` over all N processes) must shard the experts
+before the Trainer wraps the model in DDP: the callback does it at the end of the Trainer's
+`__init__` (`on_init_end`), so pass it to the constructor.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+from transformers import TrainerCallback
+
+from ..adapters import Adapter
+from ..costmodel import CostModel
+from ..derive import PartialRecipe, derive_recipe
+from ..runtime.ledger import Ledger
+from ..runtime.provisioner import Provisioner
+from ..runtime.static_memory import StaticMemory
+from .accelerate import shard_experts_for_ddp
+
+# training arguments that would make a second owner of recompute, offload or the loss (the first
+# name is the one the error tells the user to set; transformers 5 also spells it the second way)
+_REFUSED = {
+    ("gradient_checkpointing", "activation_checkpointing"): "it recomputes whole layers (TRL's SFTConfig turns it on by "
+    "default), and the plugin plans recompute per operator",
+    ("activation_offloading",): "it offloads every saved activation (TRL), and the plugin plans offload per operator",
+    ("use_liger_kernel",): "Liger replaces the model's norms, MLPs and loss with kernels the plugin's operators and loss runner "
+    "do not know (for a loss without full logits use the recipe's strategies.loss_chunk_tokens)",
+}
+
+
+class BagualuCallback(TrainerCallback):
+    def __init__(self, recipe: PartialRecipe = None, cost: CostModel | None = None):
+        """`recipe`: what the derived recipe should not derive (a partial dict, a YAML path or a
+        full `Recipe`); `cost`: the model's cost model (default: the analytic one)."""
+        self.recipe, self.cost = recipe, cost
+        self.provisioner: Provisioner | None = None
+        self._logged = 0  # forwards counted at the last log
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        _check_arguments(args)
+        given = self.recipe.get("parallel", {}) if isinstance(self.recipe, dict) else {}
+        if given.get("ep", 1) > 1:
+            shard_experts_for_ddp(model)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        _check_arguments(args)
+        self.provisioner = Provisioner(model, derive_recipe(model, self.recipe, training_args=args), self.cost)
+        self._logged = 0
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.provisioner is None or logs is None:
+            return
+        _log(state, logs, self.figures())
+
+    def figures(self) -> dict[str, float]:
+        """The plugin's figures: the peak device bytes so far (static memory plus the Ledger's
+        activations) against the capacity; over the micro-batches since the last log the tightest budget, the most
+        mitigated ops in one plan, the gate's escalations and deferrals, planner ms per micro-batch."""
+        prov = self.provisioner
+        new = list(prov.events)[len(prov.events) - min(prov.forwards - self._logged, len(prov.events)):]
+        self._logged = prov.forwards
+        figures = {
+            "bagualu/peak_device_bytes": prov.peak_device_bytes,
+            "bagualu/capacity_bytes": prov.stage.capacity,
+            "bagualu/micro_batches": len(new),
+        }
+        if new:
+            figures.update({
+                "bagualu/budget_bytes": min(e.budget for e in new),
+                "bagualu/mitigated_ops": max(len(e.plan) for e in new),
+                "bagualu/escalations": sum(len(e.escalations) + len(e.deferred) for e in new),
+                "bagualu/planner_ms": 1e3 * sum(e.planner_s for e in new) / len(new),
+            })
+        return figures
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.provisioner is not None:
+            self.provisioner.remove()
+
+
+class UnplannedCallback(TrainerCallback):
+    """What the same run needs without the plugin, for sizing it or comparing with it: each step's
+    saved activations counted by a Ledger (nothing planned, nothing limited) on top of the
+    weights, gradients and optimizer state, as `bagualu/unplanned_peak_device_bytes` in the logs."""
+
+    def __init__(self):
+        self.peaks: list[int] = []  # per optimizer step: static and activation bytes together
+        self.static_bytes: list[int] = []  # per optimizer step, at its start
+        self._stack = ExitStack()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.ledger = Ledger.for_model(model)
+        self.static = StaticMemory(Adapter(model).model, self.ledger)
+        self.static.watch(lambda: None)  # counts an optimizer's state from its first step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.ledger.reset_peak(allocator=False)
+        self.static_bytes.append(self.static.measure())  # the optimizer's state so far, the gradients to come
+        self._stack.enter_context(self.ledger.track())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._stack.close()
+        self.peaks.append(self.static_bytes[-1] + self.ledger.peak_device_bytes)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and self.peaks:
+            _log(state, logs, {"bagualu/unplanned_peak_device_bytes": self.peaks[-1]})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._stack.close()
+        self.static.remove()
+
+
+def _log(state, logs: dict, figures: dict) -> None:
+    """Into the logs later callbacks get, and into the record Trainer.log made of them."""
+    logs.update(figures)
+    if state.log_history and all(state.log_history[-1].get(k) == v for k, v in logs.items() if k not in figures):
+        state.log_history[-1].update(figures)
+
+
+def _check_arguments(args) -> None:
+    refused = [
+        f"{names[0]}=True: {why}; pass {names[0]}=False"
+        for names, why in _REFUSED.items()
+        if any(getattr(args, name, False) for name in names)
+    ]
+    fsdp = getattr(args, "fsdp_config", None) or {}
+    if fsdp.get("activation_checkpointing"):
+        refused.append("fsdp_config.activation_checkpointing=True: it recomputes whole layers; set it to False")
+    if refused:
+        raise ValueError("BagualuCallback: " + "; ".join(refused))

@@ -1,0 +1,203 @@
+"""Where a micro-batch begins and ends, found on the model itself (`pipeline.pp` 1: gradient
+accumulation under HF Trainer / TRL, Accelerate, DDP, FSDP or a plain loop), so no training loop
+has to change.
+
+- It begins at the HF model's forward, when the model is training and gradients are enabled (an
+  evaluation, `generate` or a forward under `torch.no_grad` is not a micro-batch), and not inside
+  another one's forward (PEFT's wrapper calling the base model counts once) or backward.
+- Its forward ends where the HF forward returns (the loss is computed inside it).
+- Its backward ends when autograd has finished the graph its outputs belong to: a callback queued
+  on the autograd engine from the outputs' `grad_fn`, as DDP finalises its reduction.
+
+A forward whose outputs never go backward, or a step that raises, leaves nothing behind: the next
+micro-batch abandons it (`Provisioner.abandon`) and begins a new optimizer step.
+`explicit(input_ids)` is the same for a loop that wants to say it (`Provisioner.micro_batch`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import nn
+
+from ..adapters import is_inside_backward
+
+if TYPE_CHECKING:
+    from .provisioner import Provisioner
+
+
+class Boundaries:
+    def __init__(self, provisioner: Provisioner):
+        self._prov = provisioner
+        model = provisioner.runtime.adapter.model
+        self.index = 0  # the next micro-batch of the optimizer step: 0 .. pipeline.micro_batches - 1
+        self._depth = 0  # model forwards running, nested ones included
+        self._began: int | None = None  # the micro-batch this object began, while its forward runs
+        self._awaited: object = None  # the token of the micro-batch whose backward is awaited
+        self._explicit = False  # inside an explicit() block
+        self._handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+            provisioner.runtime.adapter.decoder.register_forward_pre_hook(self._autocast),  # inside an autocast wrapper
+        ]
+        self._warned = False
+
+    def _before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._depth += 1
+        prov = self._prov
+        if self._depth > 1 or self._explicit or prov._forward is not None:
+            return  # nested, or a micro-batch someone else began
+        if not (model.training and torch.is_grad_enabled()) or is_inside_backward():
+            return
+        tokens, seq_len = _shape(model, args, kwargs)
+        self._fresh()
+        prov.begin_forward(self.index, tokens, seq_len, kind=forward_kind(kwargs))
+        self._began = self.index
+
+    def _autocast(self, decoder: nn.Module, args: tuple) -> None:
+        """Mixed precision that casts the weights (autocast to bf16 over an FP32 model, as
+        Accelerate's and the Trainer's `bf16=True` do) keeps a low-precision copy of every weight
+        and of every linear's input for backward, which the cost model does not describe: say so,
+        once, with the way out."""
+        device = self._prov.ledger.device.type
+        if self._began is None or self._warned or not torch.is_autocast_enabled(device):
+            return
+        weight = next(decoder.parameters()).dtype
+        if torch.get_autocast_dtype(device) != weight:
+            self._warned = True
+            warnings.warn(
+                f"the forward runs under autocast to {torch.get_autocast_dtype(device)} over {weight} weights (mixed "
+                "precision, e.g. the Trainer's or TRL's bf16=True): autocast keeps cast copies of the weights and of "
+                "every linear's input for backward, which bgl.apply's cost model does not describe, so its plans may "
+                "miss them; load the model in that dtype (from_pretrained(..., dtype=torch.bfloat16)) or pass bf16=False",
+                RuntimeWarning, stacklevel=2,
+            )
+
+    def _after(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        self._depth -= 1
+        if self._depth or self._began is None:
+            return
+        mb, self._began = self._began, None
+        roots = _grad_fns(output)  # None output: the forward raised (always_call)
+        if output is None or not roots:
+            self._drop()
+            return
+        self._prov.end_forward(mb)
+        token = self._awaited = object()
+        queued = []
+
+        def backward_started(*_) -> None:
+            if not queued:  # once per graph, however many outputs it reaches
+                queued.append(True)
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: self._backward_ended(mb, token))
+
+        for fn in roots:
+            fn.register_prehook(backward_started)
+
+    def _backward_ended(self, mb: int, token: object) -> None:
+        if token is self._awaited and mb in self._prov._awaiting_backward:
+            self._awaited = None
+            self._prov.end_backward(mb)
+            self.index = (mb + 1) % self._prov.recipe.pipeline.micro_batches
+
+    def _fresh(self) -> None:
+        """Before a micro-batch begins: an earlier one whose outputs never went backward is dropped."""
+        if self._prov._awaiting_backward:
+            self._drop()
+
+    def _drop(self) -> None:
+        self._prov.abandon()
+        self._awaited, self.index = None, 0
+
+    @contextmanager
+    def explicit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Iterator[int]:
+        """One micro-batch whose forward and backward run inside the block; yields its index in the
+        optimizer step. The forward ends where the HF model's forward returns, so the backward in
+        the block runs under no plan's hooks."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"micro_batch(input_ids): expected the (batch, sequence) token ids, got {input_ids!r:.80}")
+        prov = self._prov
+        self._fresh()
+        mb = self.index
+        prov.begin_forward(mb, input_ids.numel(), input_ids.shape[-1], kind=forward_kind({"attention_mask": attention_mask}))
+        forwards = []
+
+        def ended(*_):
+            if forwards:
+                raise ValueError(f"micro_batch({mb}): the model ran a second forward inside one micro-batch")
+            forwards.append(prov.end_forward(mb))
+
+        hook = prov.runtime.adapter.model.register_forward_hook(ended)
+        self._explicit = True
+        try:
+            yield mb
+        except BaseException:
+            self._drop()
+            raise
+        finally:
+            hook.remove()
+            self._explicit = False
+        if not forwards:
+            self._drop()
+            raise ValueError(f"micro_batch({mb}): the model ran no forward inside the block")
+        prov.end_backward(mb)
+        self.index = (mb + 1) % prov.recipe.pipeline.micro_batches
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _shape(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(tokens, sequence length) of a forward's `input_ids`, or of its `inputs_embeds`."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        return ids.numel(), ids.shape[-1]
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
+        return embeds.shape[0] * embeds.shape[1], embeds.shape[1]
+    raise ValueError(
+        f"bagualu: a training forward of {type(model).__name__} got neither input_ids (batch, sequence) nor inputs_embeds "
+        "(batch, sequence, hidden): each micro-batch is planned for its shape"
+    )
+
+
+class ForwardKind(NamedTuple):
+    """How a micro-batch's forward runs, where that changes what it keeps: its attention given a
+    mask (SDPA then keeps it, and repeats keys and values under grouped-query attention), its
+    head TRL's fused one (no logits), the token count its loss divides by, the routers'
+    load-balancing loss. Each kind has its own cost model (`adapters.costs.model_cost`)."""
+
+    masked: bool = False
+    fused_head: bool = False
+    loss_divisor_bytes: int = 0
+    router_aux_loss: str = "none"
+
+
+def forward_kind(kwargs: dict) -> ForwardKind:
+    """The kind of a forward called with `kwargs`. Masked: padding in `attention_mask`, a mask of
+    the caller's own, or several sequences packed in a row (position ids that restart), as
+    transformers' mask functions decide. Fused head: `fused_lm_head=True` (TRL's SFTTrainer).
+    Loss divisor: the bytes of a `num_items_in_batch` tensor (the Trainer's), which the loss keeps.
+    Router aux loss: `output_router_logits=True` (TRL asks for it), over a given attention mask or all tokens."""
+    mask, positions, items = kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs.get("num_items_in_batch")
+    masked = isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask.all()))
+    packed = isinstance(positions, torch.Tensor) and positions.dim() == 2 and bool((positions[:, 1:] <= positions[:, :-1]).any())
+    divisor = items.untyped_storage().nbytes() if isinstance(items, torch.Tensor) else 0
+    aux = "none" if kwargs.get("output_router_logits") is not True else "all_tokens" if mask is None else "attention_mask"
+    return ForwardKind(masked or packed, kwargs.get("fused_lm_head") is True, divisor, aux)
+
+
+def _grad_fns(output) -> list:
+    """The distinct autograd nodes of the tensors a forward returned (a ModelOutput's fields)."""
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else [output]
+    nodes = {}
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+            nodes[id(value.grad_fn)] = value.grad_fn
+    return list(nodes.values())

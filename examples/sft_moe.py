@@ -1,0 +1,124 @@
+"""Fine-tune a saved HF MoE checkpoint with TRL's SFTTrainer (or HF's Trainer) and the plugin's
+callback, under `python` or `accelerate launch` (DDP over the processes; `--ep`: the routed experts
+sharded over them).
+
+    accelerate launch --multi_gpu --num_processes 2 examples/sft_moe.py \\
+        --model CKPT --data corpus.txt --output-dir out [--capacity 40GiB] [--lora] [--ep] [--no-plugin]
+
+The recipe is derived (the model's dimensions, the device and its memory, the processes, the
+gradient-accumulation steps); on CPU `--capacity` is the simulated device memory the plugin plans
+for. `--no-plugin` is the same run without the plugin, its activations counted (not limited) as
+`bagualu/unplanned_peak_device_bytes`. Writes `--output-dir`/`log_history.json` (the Trainer's log
+records, the plugin's figures in them), `events.json` (the plugin's events of
+process 0) and `model/` (`save_pretrained`; under `--ep` the experts gathered whole).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint and a local dataset: nothing from a hub
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer, TrainingArguments  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from bagualu_plugin import data  # noqa: E402
+from bagualu_plugin.integrations.accelerate import shard_experts_for_ddp  # noqa: E402
+from bagualu_plugin.integrations.transformers import BagualuCallback, UnplannedCallback  # noqa: E402
+from bagualu_plugin.parallel import save_expert_parallel  # noqa: E402
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a saved HF MoE checkpoint directory (with its tokenizer)")
+    parser.add_argument("--data", required=True, help="a text file (one document per line) or a saved datasets directory")
+    parser.add_argument("--output-dir", required=True, type=Path)
+    parser.add_argument("--capacity", default=None, help="device memory the plugin plans for, e.g. 40GiB (default: the GPU's)")
+    parser.add_argument("--trainer", choices=("sft", "hf"), default="sft", help="TRL's SFTTrainer (default) or HF's Trainer")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps")
+    parser.add_argument("--accumulation", type=int, default=4, help="gradient-accumulation steps (micro-batches per step)")
+    parser.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch")
+    parser.add_argument("--max-length", type=int, default=48, help="tokens per sequence at most")
+    parser.add_argument("--lora", action="store_true", help="PEFT LoRA on the attention projections")
+    parser.add_argument("--ep", action="store_true", help="expert parallelism over all processes")
+    parser.add_argument("--no-plugin", action="store_true", help="the same run without the callback")
+    parser.add_argument("--strategies", default="recompute,offload", help="what the plugin may do (fp8 too: not bitwise)")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for flag in ("steps", "accumulation", "batch_size", "max_length"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    cpu = not torch.cuda.is_available()
+    common = dict(
+        output_dir=str(args.output_dir), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
+        max_steps=args.steps, learning_rate=args.lr, logging_steps=1, report_to=[], save_strategy="no", seed=args.seed,
+        use_cpu=cpu, gradient_checkpointing=False,  # the plugin owns recompute; TRL turns this on by default
+        ddp_find_unused_parameters=False,
+    )
+    training = SFTConfig(max_length=args.max_length, **common) if args.trainer == "sft" else TrainingArguments(**common)
+    torch.manual_seed(args.seed)
+    implementation = {"experts_implementation": "bagualu"} if args.ep else {}  # expert parallelism dispatches through it
+    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, **implementation)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    if tokenizer.pad_token is None:  # HF's language-modelling collator pads with one (TRL picks one itself)
+        tokenizer.pad_token = tokenizer.eos_token
+    dataset = Dataset.from_dict({"text": list(data.load_texts(args.data))})
+
+    recipe = {"strategies": {"allowed": args.strategies.split(",")}}
+    if args.capacity:
+        recipe["hardware"] = {"capacity_bytes": int(args.capacity) if args.capacity.isdigit() else args.capacity}
+    if args.ep:
+        recipe["parallel"] = {"ep": training.world_size}
+    callback = UnplannedCallback() if args.no_plugin else BagualuCallback(recipe)
+    peft = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0)
+    if args.trainer == "sft":
+        trainer = SFTTrainer(model=model, args=training, train_dataset=dataset, processing_class=tokenizer, peft_config=peft,
+                             callbacks=[callback])
+    else:
+        if peft is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft)
+        tokenized = dataset.map(lambda row: tokenizer(row["text"], truncation=True, max_length=args.max_length), remove_columns=["text"])
+        trainer = Trainer(model=model, args=training, train_dataset=tokenized, processing_class=tokenizer,
+                          data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), callbacks=[callback])
+    if args.ep and args.no_plugin:  # the plugin's callback shards them itself
+        shard_experts_for_ddp(trainer.model)
+    trainer.train()
+
+    out = args.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    model = trainer.model.merge_and_unload() if args.lora else trainer.model
+    if args.ep:
+        save_expert_parallel(model, out / "model")
+    elif trainer.is_world_process_zero():
+        model.save_pretrained(out / "model")
+    if trainer.is_world_process_zero():
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        if not args.no_plugin:
+            events = [json.loads(e.to_json()) for e in callback.provisioner.events]
+            (out / "events.json").write_text(json.dumps(events))
+            last = trainer.state.log_history[-2]  # the last step's record (the final one is the run's summary)
+            print(f"peak {last['bagualu/peak_device_bytes']} of {last['bagualu/capacity_bytes']} bytes, "
+                  f"{len(events)} micro-batches planned; wrote {out}")
+    trainer.accelerator.wait_for_everyone()  # no process leaves the group while another still saves
+    trainer.accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

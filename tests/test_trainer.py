@@ -1,0 +1,201 @@
+"""HF Trainer and TRL (`integrations.transformers.BagualuCallback`): TRL's real `SFTTrainer` and HF's
+`Trainer` fine-tune saved tiny checkpoints of GLM-4-MoE, DeepSeek-V3 and Qwen3-MoE on a
+`datasets.Dataset` with gradient accumulation, under a capacity that forces plans: per-step losses
+and final weights bitwise those of the same run without the callback, the peak at or under the
+capacity while the unplanned run's is above it, the plugin's figures in `log_history`. The same
+with PEFT LoRA, the Ledger equal to the cost model to the byte; and under `accelerate launch
+--num_processes 2` (DDP, and expert parallelism over the two processes) through
+`examples/sft_moe.py`. Training arguments that would make a second owner of recompute are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    DataCollatorForLanguageModeling,
+    Trainer,
+    TrainingArguments,
+)
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+import bagualu_plugin as bgl  # noqa: E402
+from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
+from bagualu_plugin.adapters.tiny import save_tiny, tiny_tokenizer  # noqa: E402
+from bagualu_plugin.costmodel.plan import Plan  # noqa: E402
+from bagualu_plugin.integrations.transformers import BagualuCallback, UnplannedCallback  # noqa: E402
+from bagualu_plugin.parallel.launch import free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("glm4_moe", "deepseek_v3", "qwen3_moe")
+M, BATCH, LENGTH, STEPS = 4, 2, 40, 2
+EXACT = {"allowed": ["recompute", "offload"]}  # fp8 is lossy by design
+WORDS = "the quick brown fox jumps over a lazy dog while experts route tokens across ranks".split()
+TEXTS = [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(4 + i % 9)) for i in range(64)]  # uneven lengths
+LORA = {"glm4_moe": ["q_proj", "v_proj"], "deepseek_v3": ["q_b_proj", "kv_b_proj"], "qwen3_moe": ["q_proj", "v_proj"]}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("trainer")
+    for family in FAMILIES:
+        save_tiny(family, root / family, num_hidden_layers=4)
+        tiny_tokenizer().save_pretrained(root / family)
+    (root / "corpus.txt").write_text("\n".join(TEXTS))
+    return {**{f: root / f for f in FAMILIES}, "corpus": root / "corpus.txt"}
+
+
+def _fine_tune(checkpoints, family: str, kind: str, callback, lora: bool = False, bf16: bool = False):
+    """`bf16`: the model in bfloat16 under bf16 autocast (TRL's default); else FP32 throughout."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[family], local_files_only=True, dtype=dtype)
+    tokenizer = tiny_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token  # HF's language-modelling collator pads with it (TRL does so itself)
+    common = dict(
+        output_dir=str(checkpoints["corpus"].parent / "out"), per_device_train_batch_size=BATCH, gradient_accumulation_steps=M,
+        max_steps=STEPS, learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+        gradient_checkpointing=False, disable_tqdm=True, bf16=bf16,
+    )
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=LORA[family]) if lora else None
+    dataset = Dataset.from_dict({"text": TEXTS})
+    if kind == "sft":
+        trainer = SFTTrainer(model=model, args=SFTConfig(max_length=LENGTH, **common), train_dataset=dataset, processing_class=tokenizer,
+                             peft_config=peft, callbacks=[callback])
+    else:
+        tokenized = dataset.map(lambda row: tokenizer(row["text"], truncation=True, max_length=LENGTH), remove_columns=["text"])
+        if peft is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, peft)
+        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=tokenized, processing_class=tokenizer,
+                          data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), callbacks=[callback])
+    trainer.train()
+    losses = [record["loss"] for record in trainer.state.log_history if "loss" in record]
+    return losses, [p.detach().clone() for p in trainer.model.parameters()], trainer
+
+
+def _compare(checkpoints, family: str, kind: str, lora: bool = False, bf16: bool = False):
+    """The run without the plugin (measured), then with it under 0.7 x the largest step's
+    activations beyond the static bytes: the same training bit for bit, under the capacity the
+    other exceeds, every micro-batch keeping what the cost model of its kind predicts."""
+    unplanned = UnplannedCallback()
+    stock = _fine_tune(checkpoints, family, kind, unplanned, lora, bf16)
+    static = unplanned.static_bytes[-1]  # with the optimizer's state
+    capacity = static + int(0.7 * (max(unplanned.peaks[1:]) - static))
+    callback = BagualuCallback({"hardware": {"capacity_bytes": capacity}, "strategies": EXACT})
+    ours = _fine_tune(checkpoints, family, kind, callback, lora, bf16)
+    assert ours[0] == stock[0] and len(ours[0]) == STEPS  # per-step losses, bitwise
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], stock[1]))  # final weights, bitwise
+    prov = callback.provisioner
+    assert prov.peak_device_bytes <= capacity < max(unplanned.peaks[1:])  # the run without the plugin would not fit
+    events = list(prov.events)
+    assert len(events) == STEPS * M and any(e.plan for e in events) and not prov._awaiting_backward
+    records = [r for r in ours[2].state.log_history if "loss" in r]
+    assert all(r["bagualu/capacity_bytes"] == capacity and r["bagualu/micro_batches"] == M for r in records)
+    assert records[-1]["bagualu/peak_device_bytes"] == prov.peak_device_bytes and records[-1]["bagualu/mitigated_ops"] > 0
+    assert [r["bagualu/unplanned_peak_device_bytes"] for r in stock[2].state.log_history if "loss" in r] == unplanned.peaks
+    model = ours[2].model
+    costs = {}
+    assert {e.kind["fused_head"] for e in events} == {kind == "sft"}  # TRL's head
+    assert {e.kind["masked"] for e in events} == {False, True}  # padded micro-batches and others
+    for e in events:  # micro-batches of every length the collator made
+        key = tuple(e.kind.items())
+        costs[key] = costs.get(key) or model_cost(model, **e.kind)
+        assert e.actual == costs[key].activation_bytes(e.tokens, seq_len=e.seq_len, plan=Plan(e.plan))
+    return callback, ours[2]
+
+
+@pytest.mark.parametrize("kind", ["sft", "hf"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fine_tuning_is_bitwise_under_a_capacity_that_forces_plans(checkpoints, family, kind):
+    callback, trainer = _compare(checkpoints, family, kind)
+    assert trainer.model.config._experts_implementation != "bagualu"  # outside a training forward the model runs its own
+    assert not hasattr(trainer.model, "_bagualu_provisioner")  # removed at train end, its events kept
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_lora_is_bitwise_and_the_ledger_is_the_cost_model(checkpoints, family):
+    callback, trainer = _compare(checkpoints, family, "sft", lora=True)
+    assert callback.provisioner.recipe.model.lora is not None
+
+
+def test_trl_defaults_bf16_model_under_bf16_autocast(checkpoints):
+    """What TRL users run: a bfloat16 checkpoint and SFTConfig's bf16=True (autocast)."""
+    _compare(checkpoints, "qwen3_moe", "sft", bf16=True)
+
+
+def test_autocast_over_fp32_weights_is_said(checkpoints):
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], local_files_only=True).train()
+    prov = bgl.apply(model, {"hardware": {"capacity_bytes": "1GiB"}})
+    ids = torch.randint(0, 128, (BATCH, LENGTH))
+    with pytest.warns(RuntimeWarning, match=r"autocast to torch.bfloat16 over torch.float32 weights .* or pass bf16=False"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    prov.remove()
+
+
+@pytest.mark.parametrize(
+    ("argument", "value"), [("gradient_checkpointing", True), ("activation_offloading", True), ("use_liger_kernel", True)]
+)
+def test_a_second_owner_is_refused_at_train_begin(checkpoints, argument, value):
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], local_files_only=True)
+    args = SFTConfig(output_dir=str(checkpoints["corpus"].parent / "refused"), use_cpu=True, report_to=[], max_steps=1,
+                     **{"gradient_checkpointing": False, argument: value})
+    callback = BagualuCallback({"hardware": {"capacity_bytes": "1GiB"}})
+    if argument == "use_liger_kernel":  # Liger is not installed here: the callback refuses it before Trainer gets that far
+        with pytest.raises(ValueError, match=rf"BagualuCallback: {argument}=True: .*; pass {argument}=False"):
+            callback.on_train_begin(args, None, None, model=model)
+        return
+    with pytest.raises(ValueError, match=rf"BagualuCallback: {argument}=True: .*; pass {argument}=False"):  # at the Trainer's init
+        SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tiny_tokenizer(),
+                   callbacks=[callback])
+    if argument == "activation_offloading":  # TRL's own offloading needs an accelerator to start
+        return
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tiny_tokenizer())
+    trainer.add_callback(callback)  # added later, it has missed the init: train begin refuses it
+    with pytest.raises(ValueError, match=rf"BagualuCallback: {argument}=True: .*; pass {argument}=False"):
+        trainer.train()
+
+
+def _launch(checkpoints, name: str, *flags: str) -> Path:
+    out = checkpoints["corpus"].parent / name
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(ROOT / "examples" / "sft_moe.py"),
+           "--model", str(checkpoints["qwen3_moe"]), "--data", str(checkpoints["corpus"]), "--output-dir", str(out),
+           "--steps", str(STEPS), "--accumulation", str(M), "--batch-size", str(BATCH), "--max-length", str(LENGTH), *flags]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+@pytest.mark.parametrize(("ep", "capacity"), [(False, "5000000"), (True, "3900000")], ids=["ddp", "expert-parallel"])
+def test_two_processes_under_accelerate_launch(checkpoints, ep, capacity):
+    flags = ("--ep",) if ep else ()
+    ours = _launch(checkpoints, f"launch-{ep}", "--capacity", capacity, *flags)
+    stock = _launch(checkpoints, f"launch-{ep}-stock", "--no-plugin", *flags)
+    records, theirs = (json.loads((d / "log_history.json").read_text()) for d in (ours, stock))
+    assert [r.get("loss") for r in records] == [r.get("loss") for r in theirs]
+    mine, other = (load_file(d / "model" / "model.safetensors") for d in (ours, stock))
+    assert mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
+    steps = [r for r in records if "loss" in r]
+    assert all(r["bagualu/peak_device_bytes"] <= int(capacity) for r in steps) and steps[-1]["bagualu/mitigated_ops"] > 0
+    assert max(r["bagualu/unplanned_peak_device_bytes"] for r in theirs if "loss" in r) > int(capacity)  # it would not fit
+    events = json.loads((ours / "events.json").read_text())
+    assert len(events) == STEPS * M and any(e["plan"] for e in events)
