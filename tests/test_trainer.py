@@ -2,10 +2,11 @@
 `Trainer` fine-tune saved tiny checkpoints of GLM-4-MoE, DeepSeek-V3 and Qwen3-MoE on a
 `datasets.Dataset` with gradient accumulation, under a capacity that forces plans: per-step losses
 and final weights bitwise those of the same run without the callback, the peak at or under the
-capacity while the unplanned run's is above it, the plugin's figures in `log_history`. The same
-with PEFT LoRA, the Ledger equal to the cost model to the byte; and under `accelerate launch
---num_processes 2` (DDP, and expert parallelism over the two processes) through
-`examples/sft_moe.py`. Training arguments that would make a second owner of recompute are refused."""
+capacity while the unplanned run's is above it, every micro-batch's Ledger equal to the cost
+model of its kind, the plugin's figures in `log_history`. The same with PEFT LoRA; and under
+`accelerate launch --num_processes 2` through `examples/sft_moe.py`: SFTTrainer with DDP on
+Qwen3-MoE, HF's Trainer with expert parallelism over the two processes on GLM-4-MoE. Training
+arguments that would make a second owner of recompute are refused."""
 
 from __future__ import annotations
 
@@ -172,12 +173,12 @@ def test_a_second_owner_is_refused_at_train_begin(checkpoints, argument, value):
         trainer.train()
 
 
-def _launch(checkpoints, name: str, *flags: str) -> Path:
+def _launch(checkpoints, family: str, name: str, *flags: str) -> Path:
     out = checkpoints["corpus"].parent / name
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
            "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(ROOT / "examples" / "sft_moe.py"),
-           "--model", str(checkpoints["qwen3_moe"]), "--data", str(checkpoints["corpus"]), "--output-dir", str(out),
+           "--model", str(checkpoints[family]), "--data", str(checkpoints["corpus"]), "--output-dir", str(out),
            "--steps", str(STEPS), "--accumulation", str(M), "--batch-size", str(BATCH), "--max-length", str(LENGTH), *flags]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -185,11 +186,15 @@ def _launch(checkpoints, name: str, *flags: str) -> Path:
     return out
 
 
-@pytest.mark.parametrize(("ep", "capacity"), [(False, "5000000"), (True, "3900000")], ids=["ddp", "expert-parallel"])
-def test_two_processes_under_accelerate_launch(checkpoints, ep, capacity):
-    flags = ("--ep",) if ep else ()
-    ours = _launch(checkpoints, f"launch-{ep}", "--capacity", capacity, *flags)
-    stock = _launch(checkpoints, f"launch-{ep}-stock", "--no-plugin", *flags)
+@pytest.mark.parametrize(
+    ("family", "trainer", "ep", "capacity"),
+    [("qwen3_moe", "sft", False, "5000000"), ("glm4_moe", "hf", True, "4200000")],
+    ids=["ddp-sft-qwen3", "expert-parallel-trainer-glm4"],
+)
+def test_two_processes_under_accelerate_launch(checkpoints, family, trainer, ep, capacity):
+    flags = ("--trainer", trainer, *(("--ep",) if ep else ()))
+    ours = _launch(checkpoints, family, f"launch-{family}", "--capacity", capacity, *flags)
+    stock = _launch(checkpoints, family, f"launch-{family}-stock", "--no-plugin", *flags)
     records, theirs = (json.loads((d / "log_history.json").read_text()) for d in (ours, stock))
     assert [r.get("loss") for r in records] == [r.get("loss") for r in theirs]
     mine, other = (load_file(d / "model" / "model.safetensors") for d in (ours, stock))
