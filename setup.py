@@ -1,6 +1,6 @@
 """The wheel's packages, found rather than listed (a hand list once shipped a wheel without
 bagualu_plugin.sim; editable installs hid it). setuptools' find sees folders only, so the two
-top-level folders that ship inside the package (DESIGN.md section 3) are mapped here and their
+top-level folders that ship inside the package (docs/architecture.md) are mapped here and their
 packages named from the mapping; everything else about the build is in pyproject.toml."""
 
 from setuptools import find_packages, setup

@@ -1,6 +1,6 @@
 """bagualu-plugin: adaptive activation-memory provisioning for MoE training (BaGuaLu-2, SC26).
 
-Public API (DESIGN.md section 4); everything else is internal. Importing the package registers
+Public API (docs/architecture.md); everything else is internal. Importing the package registers
 the "bagualu" experts implementation with transformers, so
 `from_pretrained(..., experts_implementation="bagualu")` works after `import bagualu_plugin`.
 """

@@ -1,4 +1,7 @@
-"""The `bagualu` command."""
+"""The `bagualu` command: it parses, calls, and prints what `report` formats. Every error a user can
+cause reads `bagualu <command>: error: <message>` on stderr with exit status 2, argparse's own
+form, whether argparse finds it or a subcommand does (`CliError`, `RecipeError`, one line per
+problem); `validate-recipe` reports every file so, then exits 2 if any failed."""
 
 from __future__ import annotations
 
@@ -11,12 +14,31 @@ from pathlib import Path
 import yaml
 
 from .config import RecipeError, load_recipe
-from .costmodel import MITIGATIONS, Curve, MicroBatchCost
 from .families import FAMILIES
 from .hardware import PRESETS
-from .report import plot_curves, plot_timeline, table
+from .report import (
+    demo_title,
+    plot_curves,
+    plot_timeline,
+    profile_text,
+    simulation_text,
+    stage_json,
+    stage_text,
+    stage_title,
+    summary,
+    summary_table,
+)
 from .stage import Stage
-from .units import fmt_bytes, fmt_seconds
+from .units import fmt_bytes
+
+
+class CliError(SystemExit):
+    """Bad input a subcommand found after parsing: a SystemExit with argparse's status 2 whose text
+    is the message, so that a command ends as `parser.error` ends it; `main` prints it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 2
 
 
 def _spike(text: str) -> tuple[int, float]:
@@ -131,59 +153,42 @@ def _counts(text: str) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "validate-recipe":
-            return _validate(args.recipes)
-        if args.command == "profile":
-            return _profile(args)
-        if args.command == "demo":
-            return _demo(args)
-        if args.command == "tiny-checkpoint":
-            return _tiny_checkpoint(args)
-        if args.command == "recipe":
-            return _recipe(args)
-        if args.command == "simulate":
-            return _simulate(args)
-        return _curve(args)
-    except RecipeError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        return _COMMANDS[args.command](args)
+    except (CliError, RecipeError) as exc:
+        _error(args.command, exc)
+        raise CliError(str(exc)) from None
+
+
+def _error(command: str, exc: Exception) -> None:
+    """One line per problem (a recipe's errors are one a field), each as argparse writes its own."""
+    for line in str(exc).splitlines():
+        print(f"bagualu {command}: error: {line}", file=sys.stderr)
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from .sim import read_trace, simulate
 
     if args.seed is not None and args.seed < 0:
-        raise SystemExit(f"bagualu simulate: --seed must be >= 0, got {args.seed}")
+        raise CliError(f"--seed must be >= 0, got {args.seed}")
     if args.trace and args.seed is not None:
-        raise SystemExit("bagualu simulate: --seed draws a spike trace, --trace replays one: give one of them")
+        raise CliError("--seed draws a spike trace, --trace replays one: give one of them")
     recipe = load_recipe(args.recipe)
     try:
         trace = read_trace(args.trace, recipe, args.iterations) if args.trace else None
         result = simulate(recipe, args.iterations, args.seed, preset=args.recipe, trace=trace)
     except (ValueError, OSError) as exc:
-        raise SystemExit(f"bagualu simulate: {exc}") from None
-    rows = [
-        [o.system, f"{100 * o.mfu:.1f}%", f"{o.tokens_per_s:,.0f}", o.ooms, f"{o.speedup_vs_best_baseline:.3f}x", f"{o.iteration_s:.2f} s"]
-        for o in result.outcomes
-    ]
-    routing = f"routing recorded in {args.trace}" if args.trace else f"spike seed {result.seed}"
-    print(f"SIMULATED: {args.recipe}, {recipe.gpus} devices of {recipe.hardware.name}, {args.iterations} iterations, "
-          f"{routing} (cost model times, not measurements)")
-    print(table(["system", "MFU", "tokens/s", "OOMs", "vs best baseline", "iteration"], rows))
-    print("\nablation (Fig. 11): L1 every layer recomputed, L2 + static fine-grained plans, L3 + dynamic, L4 + fused dual-batch")
-    print(table(["level", "tokens/s", "OOMs", "vs previous"],
-                [[a.level, f"{a.tokens_per_s:,.0f}", a.ooms, f"{a.speedup_vs_previous:.3f}x"] for a in result.ablation]))
-    print(f"BaGuaLu's decisions per iteration (slowest rank): mean {1e3 * result.decision_s:.2f} ms, "
-          f"median {1e3 * result.decision_median_s:.2f} ms, max {1e3 * result.decision_max_s:.2f} ms (paper: < 10 ms)")
+        raise CliError(str(exc)) from None
+    print(simulation_text(args.recipe, recipe, args.iterations, result, args.trace))
     if args.json:
         result.save(args.json)
         print(f"wrote {args.json}")
     return 0
 
 
-def _validate(paths: Sequence[str]) -> int:
+def _validate(args: argparse.Namespace) -> int:
+    """Every file is checked, each failure reported as it is found; status 2 if any failed."""
     failed = 0
-    for path in paths:
+    for path in args.recipes:
         try:
             if _is_nanotron(path):
                 print(f"ok: {path} ({_validate_nanotron(path)})")
@@ -195,7 +200,7 @@ def _validate(paths: Sequence[str]) -> int:
             except ValueError as exc:
                 raise RecipeError(path, [("hardware.capacity_bytes", str(exc))]) from None
         except RecipeError as exc:
-            print(exc, file=sys.stderr)
+            _error(args.command, exc)
             failed += 1
             continue
         memory = (
@@ -242,19 +247,13 @@ def _profile(args: argparse.Namespace) -> int:
             args.model, local_files_only=True, dtype=dtype, attn_implementation=args.attention
         )
     except OSError as exc:
-        raise SystemExit(f"bagualu profile: --model {args.model}: cannot load a saved model offline ({exc})") from None
+        raise CliError(f"--model {args.model}: cannot load a saved model offline ({exc})") from None
     try:
         cm = profile(model.train(), args.tokens, repeats=args.repeats, progress=True)
     except (UnsupportedModelError, ValueError) as exc:
-        raise SystemExit(f"bagualu profile: {exc}") from None
+        raise CliError(str(exc)) from None
     cm.save(args.out)
-    top = max(args.tokens)  # as one sequence
-    rows = [
-        [str(c.op), fmt_seconds(c.forward_s), fmt_seconds(c.backward_s), fmt_bytes(c.saved_bytes)]
-        for c in cm.op_costs(top, seq_len=top)
-    ]
-    print(table(["op", "Δt_f", "Δt_b", "Δm"], rows))
-    print(f"\nat T = {top}: {fmt_bytes(cm.activation_bytes(top, seq_len=top))} saved for backward; wrote {args.out}")
+    print(f"{profile_text(cm, max(args.tokens))}; wrote {args.out}")
     return 0
 
 
@@ -266,22 +265,20 @@ def _recipe(args: argparse.Namespace) -> int:
     try:
         model = checkpoint_model(args.model)
     except (OSError, ValueError) as exc:
-        raise SystemExit(f"bagualu recipe: {args.model}: {exc}") from None
+        raise CliError(f"{args.model}: {exc}") from None
     seq_len = args.seq_len or getattr(model.config, "max_position_embeddings", None)
     if seq_len is None:
-        raise SystemExit(f"bagualu recipe: {args.model} has no max_position_embeddings: give --seq-len")
+        raise CliError(f"{args.model} has no max_position_embeddings: give --seq-len")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cpu" and not args.capacity:
-        raise SystemExit(
-            "bagualu recipe: no CUDA device here, so no device memory to derive: give --capacity (the simulated capacity, e.g. 8GiB)"
-        )
+        raise CliError("no CUDA device here, so no device memory to derive: give --capacity (the simulated capacity, e.g. 8GiB)")
     capacity = int(args.capacity) if args.capacity and args.capacity.isdigit() else args.capacity
     given = {"hardware": {"capacity_bytes": capacity}} if capacity else None
     try:
         recipe = recipe_of(model, given, device=device, processes=1, micro_batches=args.micro_batches,
                            batch={"seq_len": seq_len, "micro_batch_size": args.batch_size})
     except ValueError as exc:
-        raise SystemExit(f"bagualu recipe: {args.model}: {exc}") from None
+        raise CliError(f"{args.model}: {exc}") from None
     hardware = recipe.hardware
     base = PRESETS[hardware.name]
     sections = {
@@ -323,26 +320,23 @@ def _tiny_checkpoint(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from .demo import POLICIES, run_demo, summary, summary_table
+    from .demo import POLICIES, run_demo
 
     recipe = load_recipe(args.recipe)
     policies = args.policies or list(POLICIES)
-    par, pipe, spikes = recipe.parallel, recipe.pipeline, recipe.spikes
-    print(f"bagualu demo: starting {par.ep} expert-parallel ranks (one process each), profiling and pretraining", file=sys.stderr)
+    pipe = recipe.pipeline
+    ranks = recipe.parallel.ep
+    print(f"bagualu demo: starting {ranks} expert-parallel ranks (one process each), profiling and pretraining", file=sys.stderr)
     try:
         # the bar counts the hot rank's policy iterations, reported as they finish
         with tqdm(total=args.steps * len(policies), desc="policy iterations", unit="it") as bar:
             results = run_demo(recipe, args.steps, policies, seed=args.seed, progress=bar.update)
     except ValueError as exc:  # e.g. a capacity that cannot hold M0, found before training
-        print(f"bagualu demo: {args.recipe}: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(f"{args.recipe}: {exc}") from None
     rows = summary(results)
-    title = (
-        f"{args.recipe}: {args.steps} iterations x {pipe.micro_batches} micro-batches of {recipe.batch.tokens} tokens per rank, "
-        f"pipeline rank {pipe.rank}/{pipe.pp}, EP rank {par.ep_rank} of {par.ep} processes (its memory; the job's tokens/s), "
-        f"spikes in {spikes.spike_probability:.1%} of iterations up to {spikes.spike_max_imbalance}x"
-    )
-    png = plot_timeline(results, args.png, results[0].capacity_bytes, spikes.normal_max_imbalance, 2 * pipe.micro_batches, title)
+    title = demo_title(args.recipe, recipe, args.steps)
+    normal_max = recipe.spikes.normal_max_imbalance
+    png = plot_timeline(results, args.png, results[0].capacity_bytes, normal_max, 2 * pipe.micro_batches, title)
     print(title)
     print(summary_table(rows))
     print(f"\nwrote {png}")
@@ -360,152 +354,33 @@ def _curve(args: argparse.Namespace) -> int:
     imbalance = [1.0] * pipe.micro_batches
     for mb, factor in args.spike:
         if not 0 <= mb < pipe.micro_batches:
-            raise SystemExit(f"bagualu curve: --spike micro-batch {mb} must be in [0, {pipe.micro_batches})")
+            raise CliError(f"--spike micro-batch {mb} must be in [0, {pipe.micro_batches})")
         if factor <= 0:
-            raise SystemExit(f"bagualu curve: --spike imbalance must be > 0, got {factor}")
+            raise CliError(f"--spike imbalance must be > 0, got {factor}")
         imbalance[mb] = factor
     curves = [("balanced routing", stage.curve())]
     if args.spike:
         spikes = ", ".join(f"F{mb} x{f:g}" for mb, f in args.spike)
         curves.append((f"routing spike ({spikes})", stage.curve(imbalance)))
-    rows = _op_rows(stage)
-    schedule = "1F1B" if pipe.vp == 1 else f"interleaved 1F1B, {pipe.vp} chunks per rank"
-    title = (
-        f"{args.recipe}: stage {pipe.rank}/{pipe.pp} on {recipe.hardware.name}, "
-        f"{pipe.micro_batches} micro-batches of {stage.tokens} tokens ({schedule}, nothing mitigated)"
-    )
+    title = stage_title(args.recipe, stage)
     png = plot_curves(curves, args.png, stage.capacity, stage.static_bytes, title)
     if args.json:
-        print(json.dumps(_as_json(stage, rows, curves, imbalance, str(png)), indent=1))
+        print(json.dumps(stage_json(stage, curves, imbalance, str(png)), indent=1))
     else:
-        print(_as_text(stage, rows, curves, title))
+        print(stage_text(stage, curves, title))
         print(f"\nwrote {png}")
     return 0
 
 
-def _op_rows(stage: Stage) -> list[dict]:
-    """Each op of the first block of every kind in the stage, with what each mitigation does."""
-    cm, seen, rows = stage.cost, set(), []
-    seq = stage.recipe.batch.seq_len
-    for cost in cm.op_costs(stage.tokens, seq_len=seq):
-        kind = cm.blocks[cost.op.layer].kind
-        if (kind, cost.op.name) in seen:
-            continue
-        seen.add((kind, cost.op.name))
-        unit = cm.recompute_unit(cost.op)
-        mit = {
-            s: cm.mitigation_cost(unit if s == "recompute" else cost.op, s, stage.tokens, seq_len=seq, options=stage.options)
-            for s in MITIGATIONS
-            if s != "recompute" or unit
-        }
-        rows.append({"op": cost.op, "kind": kind, "cost": cost, "mitigation": mit, "unit": unit})
-    return rows
-
-
-def _cell(r: dict, strategy: str) -> str:
-    m = r["mitigation"].get(strategy)
-    if m is None:
-        return "n/a"
-    mark = "*" if strategy == "recompute" and len(r["unit"]) > 1 else ""
-    return f"{fmt_bytes(m.bytes_saved)} / {fmt_seconds(m.forward_s + m.backward_s)}{mark}"
-
-
-def _as_text(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], title: str) -> str:
-    cm, recipe = stage.cost, stage.recipe
-    dense, expert = cm.parameter_counts()
-    mb = stage.micro_batch()
-    out = [
-        title,
-        f"layers {', '.join(f'{c.layers[0]}-{c.layers[-1]}' for c in stage.chunks)} of {recipe.model.num_layers}"
-        + (" + embedding" if cm.blocks[-1].dense_params else "")  # later stages hold only its RoPE tables
-        + (" + LM head" if recipe.model.num_layers in cm.blocks else "")
-        + f"; parallel dp {recipe.parallel.dp} tp {recipe.parallel.tp} ep {recipe.parallel.ep} pp {recipe.pipeline.pp}",
-        f"parameters here: {dense / 1e9:.2f} B dense + {expert / 1e9:.2f} B expert"
-        f" -> non-activation {fmt_bytes(stage.static_bytes)} of {fmt_bytes(stage.capacity)}",
-        "",
-        f"per-operator cost, T = {stage.tokens} tokens, S = {stage.tokens * cm.pairs_per_token:g} local routed pairs"
-        " (balanced); mitigation columns: bytes saved / time added (forward + backward)",
-    ]
-    headers = ["op", "Δt_f", "Δt_b", "Δm", *MITIGATIONS]
-    body = []
-    for r in rows:
-        c = r["cost"]
-        label = f"{r['kind']}.{c.op.name}"
-        body.append(
-            [label, fmt_seconds(c.forward_s), fmt_seconds(c.backward_s), fmt_bytes(c.saved_bytes)]
-            + [_cell(r, s) for s in MITIGATIONS]
-        )
-    together = sorted({"+".join(o.name for o in r["unit"]) for r in rows if r["unit"] and len(r["unit"]) > 1})
-    notes = [f"* recomputed only together: {', '.join(together)}"] if together else []
-    if any(not r["unit"] for r in rows):
-        notes.append("n/a: no recompute region replays it")
-    out += [table(headers, body), *notes, ""]
-    chunks = "" if len(stage.chunks) == 1 else f" (its {len(stage.chunks)} chunk forwards together)"
-    out.append(
-        f"micro-batch{chunks}: Δt_f {fmt_seconds(mb.forward_s)}, Δt_b {fmt_seconds(mb.backward_s)}, "
-        f"Δm {fmt_bytes(mb.activation_bytes)}; M0 (full recompute at {recipe.spikes.normal_max_imbalance:g}x routing"
-        f"{', largest chunk' if chunks else ''}) {fmt_bytes(stage.min_budget)}"
-    )
-    for label, curve in curves:
-        phases = {p: sum(1 for s in curve.steps if s.phase == p) for p in ("warmup", "steady", "cooldown")}
-        head = stage.capacity - curve.peak_bytes
-        verdict = f"headroom {fmt_bytes(head)}" if head >= 0 else f"OUT OF MEMORY by {fmt_bytes(-head)}"
-        out.append(
-            f"{label}: {phases['warmup']} warmup F, {phases['steady'] // 2} steady F/B, {phases['cooldown']} cooldown B; "
-            f"peak {fmt_bytes(curve.peak_bytes)} at the end of F{curve.peak_step.micro_batch} ({curve.peak_step.phase}, "
-            f"{curve.in_flight_at_peak} in flight, t = {fmt_seconds(curve.peak_time)}); {verdict}"
-        )
-    return "\n".join(out)
-
-
-def _costs(mb: MicroBatchCost) -> dict:
-    return {"forward_s": mb.forward_s, "backward_s": mb.backward_s, "activation_bytes": mb.activation_bytes}
-
-
-def _as_json(stage: Stage, rows: list[dict], curves: list[tuple[str, Curve]], imbalance: list[float], png: str) -> dict:
-    mb = stage.micro_batch()
-    return {
-        "recipe": stage.recipe.model_dump(mode="json"),
-        "tokens": stage.tokens,
-        "capacity_bytes": stage.capacity,
-        "static_bytes": stage.static_bytes,
-        "min_budget_bytes": stage.min_budget,
-        "micro_batch": _costs(mb),
-        "chunks": [_costs(stage.chunk(c).micro_batch()) for c in range(len(stage.chunks))],
-        "ops": [
-            {
-                "layer": r["op"].layer,
-                "name": r["op"].name,
-                "kind": r["kind"],
-                "forward_s": r["cost"].forward_s,
-                "backward_s": r["cost"].backward_s,
-                "saved_bytes": r["cost"].saved_bytes,
-                "recompute_unit": [o.name for o in r["unit"]],
-                "mitigation": {
-                    s: {"bytes_saved": m.bytes_saved, "forward_s": m.forward_s, "backward_s": m.backward_s}
-                    for s, m in r["mitigation"].items()
-                },
-            }
-            for r in rows
-        ],
-        "curves": [
-            {
-                "label": label,
-                "imbalance": [1.0] * len(imbalance) if i == 0 else imbalance,
-                "peak_bytes": c.peak_bytes,
-                "peak_time_s": c.peak_time,
-                "peak_micro_batch": c.peak_step.micro_batch,
-                "peak_phase": c.peak_step.phase,
-                "in_flight_at_peak": c.in_flight_at_peak,
-                "fits": c.peak_bytes <= stage.capacity,
-                "times_s": c.times,
-                "bytes": c.bytes,
-                "steps": [f"{s.kind}{s.micro_batch}" + (f".{s.chunk}" if len(stage.chunks) > 1 else "") for s in c.steps],
-            }
-            for i, (label, c) in enumerate(curves)
-        ],
-        "png": png,
-    }
+_COMMANDS = {
+    "validate-recipe": _validate,
+    "curve": _curve,
+    "demo": _demo,
+    "profile": _profile,
+    "simulate": _simulate,
+    "recipe": _recipe,
+    "tiny-checkpoint": _tiny_checkpoint,
+}
 
 
 if __name__ == "__main__":

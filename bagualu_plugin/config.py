@@ -27,7 +27,6 @@ from pydantic import (
 
 from .costmodel.dims import ModelDims, Parallel
 from .hardware import HardwareSpec, preset
-from .planner.dual_batch import check_pipeline
 from .units import Bytes, fmt_bytes
 from .validation import FIELD_PROBLEMS, reject
 
@@ -38,6 +37,17 @@ _Index = Annotated[int, Field(ge=0)]
 _UNION_TAG = re.compile(r"[a-z-]+\[.*\]|int|float|str|bool|none")
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def check_pipeline(pp: int) -> None:
+    """§V-B needs four distinct micro-batches at a steady point F_x B_y: x - y > 2. Arithmetic on
+    pp alone, so it lives with the recipe, below everything that checks it (`pipeline.dual_batch`
+    here, nanotron's `bagualu.dual_batch`)."""
+    if pp <= 2:
+        raise ValueError(
+            f"dual-batch execution needs a pipeline of more than 2 stages (x - y > 2 at a steady scheduling point "
+            f"F_x B_y, so that F, B, O and R belong to four micro-batches), got pp={pp}"
+        )
 
 
 class Pipeline(_Section):
@@ -104,7 +114,7 @@ _Mitigation = Annotated[Literal["recompute", "offload", "fp8"], BeforeValidator(
 
 class FP8Options(_Section):
     """Saved activations stored as FP8 with one scale per block: per-tensor scales gave ~5e-2
-    gradient error in our measurements (DESIGN.md section 5)."""
+    gradient error in our measurements (docs/architecture.md)."""
 
     block_size: int = Field(default=128, ge=16)
     format: Literal["e4m3"] = "e4m3"

@@ -3,7 +3,7 @@
 Every per-family fact lives here, once: the attribute names the adapters look up, how a config's
 fields are read into `ModelDims`, and the behaviour the analytic cost model and the runtime
 depend on (which tensors a family's modules save, which ops a checkpoint can replay alone). One
-code path reads the table for every family (DESIGN.md section 7); nothing elsewhere compares a
+code path reads the table for every family (docs/architecture.md); nothing elsewhere compares a
 family's name. Pure Python (no torch, no transformers), so the cost model can read it; the tiny
 configs, which need transformers, live in `adapters/tiny.py`.
 """

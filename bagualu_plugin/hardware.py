@@ -93,7 +93,7 @@ PRESETS: dict[str, HardwareSpec] = {
             copy_launch_s=10e-6,
         ),
         # This machine class: no accelerator, so capacity is simulated by the Ledger
-        # (DESIGN.md section 6). The mitigation knees are measured on a 2-core VM by
+        # (docs/architecture.md). The mitigation knees are measured on a 2-core VM by
         # `python benchmarks/mitigation_roofline.py` (bf16, medians): offload moves 8 GB/s of
         # activations out and back (16 GB/s per direction) after a 2.8 us start; FP8 cast and
         # cast-back save 0.09 GB/s after 52 us (torch reference kernels: 0.55 GB/s read +

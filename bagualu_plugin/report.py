@@ -1,13 +1,23 @@
-"""Tables and memory plots for people: text tables for the terminal, PNG memory curves in the
-style of the paper's Fig. 5c (time on x, activation memory on y, the capacity line, phases)."""
+"""What people read: text tables for the terminal, PNG memory curves in the style of the paper's
+Fig. 5c (time on x, activation memory on y, the capacity line, phases), and the reports of the
+`bagualu` commands (a stage's op costs and curves, a profile, a simulation, the demo's policies).
+Pure formatting: the numbers come from the cost model, the simulator and the demo."""
 
 from __future__ import annotations
 
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .costmodel import Curve
+from .costmodel import MITIGATIONS, CostModel, Curve, MicroBatchCost
+from .stage import Stage
+from .units import fmt_bytes, fmt_seconds
+
+if TYPE_CHECKING:
+    from .config import Recipe
+    from .demo import PolicyResult
+    from .sim.run import Simulation
 
 _GIB = 2**30
 _MIB = 2**20
@@ -166,3 +176,219 @@ def _save(fig, path: str | Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def profile_text(cm: CostModel, tokens: int) -> str:
+    """`bagualu profile`'s report: each op's fitted cost (§IV-A) at `tokens` as one sequence."""
+    rows = [
+        [str(c.op), fmt_seconds(c.forward_s), fmt_seconds(c.backward_s), fmt_bytes(c.saved_bytes)]
+        for c in cm.op_costs(tokens, seq_len=tokens)
+    ]
+    saved = fmt_bytes(cm.activation_bytes(tokens, seq_len=tokens))
+    return f"{table(['op', 'Δt_f', 'Δt_b', 'Δm'], rows)}\n\nat T = {tokens}: {saved} saved for backward"
+
+
+def stage_title(name: str, stage: Stage) -> str:
+    """The heading of `bagualu curve`'s report and plot: which stage of recipe `name`, on what."""
+    pipe = stage.recipe.pipeline
+    schedule = "1F1B" if pipe.vp == 1 else f"interleaved 1F1B, {pipe.vp} chunks per rank"
+    return (
+        f"{name}: stage {pipe.rank}/{pipe.pp} on {stage.recipe.hardware.name}, "
+        f"{pipe.micro_batches} micro-batches of {stage.tokens} tokens ({schedule}, nothing mitigated)"
+    )
+
+
+def _op_rows(stage: Stage) -> list[dict]:
+    """Each op of the first block of every kind in the stage, with what each mitigation does."""
+    cm, seen, rows = stage.cost, set(), []
+    seq = stage.recipe.batch.seq_len
+    for cost in cm.op_costs(stage.tokens, seq_len=seq):
+        kind = cm.blocks[cost.op.layer].kind
+        if (kind, cost.op.name) in seen:
+            continue
+        seen.add((kind, cost.op.name))
+        unit = cm.recompute_unit(cost.op)
+        mit = {
+            s: cm.mitigation_cost(unit if s == "recompute" else cost.op, s, stage.tokens, seq_len=seq, options=stage.options)
+            for s in MITIGATIONS
+            if s != "recompute" or unit
+        }
+        rows.append({"op": cost.op, "kind": kind, "cost": cost, "mitigation": mit, "unit": unit})
+    return rows
+
+
+def _cell(r: dict, strategy: str) -> str:
+    m = r["mitigation"].get(strategy)
+    if m is None:
+        return "n/a"
+    mark = "*" if strategy == "recompute" and len(r["unit"]) > 1 else ""
+    return f"{fmt_bytes(m.bytes_saved)} / {fmt_seconds(m.forward_s + m.backward_s)}{mark}"
+
+
+def stage_text(stage: Stage, curves: Sequence[tuple[str, Curve]], title: str) -> str:
+    """`bagualu curve`'s report: the stage's layout and parameters, each op's cost and what every
+    mitigation would save and cost (§IV-B), the micro-batch and M0, and each curve's verdict."""
+    cm, recipe, rows = stage.cost, stage.recipe, _op_rows(stage)
+    dense, expert = cm.parameter_counts()
+    mb = stage.micro_batch()
+    out = [
+        title,
+        f"layers {', '.join(f'{c.layers[0]}-{c.layers[-1]}' for c in stage.chunks)} of {recipe.model.num_layers}"
+        + (" + embedding" if cm.blocks[-1].dense_params else "")  # later stages hold only its RoPE tables
+        + (" + LM head" if recipe.model.num_layers in cm.blocks else "")
+        + f"; parallel dp {recipe.parallel.dp} tp {recipe.parallel.tp} ep {recipe.parallel.ep} pp {recipe.pipeline.pp}",
+        f"parameters here: {dense / 1e9:.2f} B dense + {expert / 1e9:.2f} B expert"
+        f" -> non-activation {fmt_bytes(stage.static_bytes)} of {fmt_bytes(stage.capacity)}",
+        "",
+        f"per-operator cost, T = {stage.tokens} tokens, S = {stage.tokens * cm.pairs_per_token:g} local routed pairs"
+        " (balanced); mitigation columns: bytes saved / time added (forward + backward)",
+    ]
+    headers = ["op", "Δt_f", "Δt_b", "Δm", *MITIGATIONS]
+    body = []
+    for r in rows:
+        c = r["cost"]
+        label = f"{r['kind']}.{c.op.name}"
+        body.append(
+            [label, fmt_seconds(c.forward_s), fmt_seconds(c.backward_s), fmt_bytes(c.saved_bytes)]
+            + [_cell(r, s) for s in MITIGATIONS]
+        )
+    together = sorted({"+".join(o.name for o in r["unit"]) for r in rows if r["unit"] and len(r["unit"]) > 1})
+    notes = [f"* recomputed only together: {', '.join(together)}"] if together else []
+    if any(not r["unit"] for r in rows):
+        notes.append("n/a: no recompute region replays it")
+    out += [table(headers, body), *notes, ""]
+    chunks = "" if len(stage.chunks) == 1 else f" (its {len(stage.chunks)} chunk forwards together)"
+    out.append(
+        f"micro-batch{chunks}: Δt_f {fmt_seconds(mb.forward_s)}, Δt_b {fmt_seconds(mb.backward_s)}, "
+        f"Δm {fmt_bytes(mb.activation_bytes)}; M0 (full recompute at {recipe.spikes.normal_max_imbalance:g}x routing"
+        f"{', largest chunk' if chunks else ''}) {fmt_bytes(stage.min_budget)}"
+    )
+    for label, curve in curves:
+        phases = {p: sum(1 for s in curve.steps if s.phase == p) for p in ("warmup", "steady", "cooldown")}
+        head = stage.capacity - curve.peak_bytes
+        verdict = f"headroom {fmt_bytes(head)}" if head >= 0 else f"OUT OF MEMORY by {fmt_bytes(-head)}"
+        out.append(
+            f"{label}: {phases['warmup']} warmup F, {phases['steady'] // 2} steady F/B, {phases['cooldown']} cooldown B; "
+            f"peak {fmt_bytes(curve.peak_bytes)} at the end of F{curve.peak_step.micro_batch} ({curve.peak_step.phase}, "
+            f"{curve.in_flight_at_peak} in flight, t = {fmt_seconds(curve.peak_time)}); {verdict}"
+        )
+    return "\n".join(out)
+
+
+def _costs(mb: MicroBatchCost) -> dict:
+    return {"forward_s": mb.forward_s, "backward_s": mb.backward_s, "activation_bytes": mb.activation_bytes}
+
+
+def stage_json(stage: Stage, curves: Sequence[tuple[str, Curve]], imbalance: Sequence[float], png: str) -> dict:
+    """`bagualu curve --json`: the numbers of `stage_text`, every curve step by step."""
+    mb, rows = stage.micro_batch(), _op_rows(stage)
+    return {
+        "recipe": stage.recipe.model_dump(mode="json"),
+        "tokens": stage.tokens,
+        "capacity_bytes": stage.capacity,
+        "static_bytes": stage.static_bytes,
+        "min_budget_bytes": stage.min_budget,
+        "micro_batch": _costs(mb),
+        "chunks": [_costs(stage.chunk(c).micro_batch()) for c in range(len(stage.chunks))],
+        "ops": [
+            {
+                "layer": r["op"].layer,
+                "name": r["op"].name,
+                "kind": r["kind"],
+                "forward_s": r["cost"].forward_s,
+                "backward_s": r["cost"].backward_s,
+                "saved_bytes": r["cost"].saved_bytes,
+                "recompute_unit": [o.name for o in r["unit"]],
+                "mitigation": {
+                    s: {"bytes_saved": m.bytes_saved, "forward_s": m.forward_s, "backward_s": m.backward_s}
+                    for s, m in r["mitigation"].items()
+                },
+            }
+            for r in rows
+        ],
+        "curves": [
+            {
+                "label": label,
+                "imbalance": [1.0] * len(imbalance) if i == 0 else imbalance,
+                "peak_bytes": c.peak_bytes,
+                "peak_time_s": c.peak_time,
+                "peak_micro_batch": c.peak_step.micro_batch,
+                "peak_phase": c.peak_step.phase,
+                "in_flight_at_peak": c.in_flight_at_peak,
+                "fits": c.peak_bytes <= stage.capacity,
+                "times_s": c.times,
+                "bytes": c.bytes,
+                "steps": [f"{s.kind}{s.micro_batch}" + (f".{s.chunk}" if len(stage.chunks) > 1 else "") for s in c.steps],
+            }
+            for i, (label, c) in enumerate(curves)
+        ],
+        "png": png,
+    }
+
+
+def simulation_text(name: str, recipe: Recipe, iterations: int, result: Simulation, trace: str | None = None) -> str:
+    """`bagualu simulate`'s report (§VI): the systems compared, the ablation of Fig. 11 and the
+    time BaGuaLu's decisions took; `trace`: the recorded routing replayed, if any."""
+    rows = [
+        [o.system, f"{100 * o.mfu:.1f}%", f"{o.tokens_per_s:,.0f}", o.ooms, f"{o.speedup_vs_best_baseline:.3f}x", f"{o.iteration_s:.2f} s"]
+        for o in result.outcomes
+    ]
+    routing = f"routing recorded in {trace}" if trace else f"spike seed {result.seed}"
+    ablation = [[a.level, f"{a.tokens_per_s:,.0f}", a.ooms, f"{a.speedup_vs_previous:.3f}x"] for a in result.ablation]
+    return "\n".join([
+        f"SIMULATED: {name}, {recipe.gpus} devices of {recipe.hardware.name}, {iterations} iterations, "
+        f"{routing} (cost model times, not measurements)",
+        table(["system", "MFU", "tokens/s", "OOMs", "vs best baseline", "iteration"], rows),
+        "\nablation (Fig. 11): L1 every layer recomputed, L2 + static fine-grained plans, L3 + dynamic, L4 + fused dual-batch",
+        table(["level", "tokens/s", "OOMs", "vs previous"], ablation),
+        f"BaGuaLu's decisions per iteration (slowest rank): mean {1e3 * result.decision_s:.2f} ms, "
+        f"median {1e3 * result.decision_median_s:.2f} ms, max {1e3 * result.decision_max_s:.2f} ms "
+        f"({1e3 * result.decision_warm_max_s:.2f} ms after the first, whose caches start cold; paper: < 10 ms)",
+    ])
+
+
+def demo_title(name: str, recipe: Recipe, steps: int) -> str:
+    """The heading of `bagualu demo`'s table and timeline: the run of recipe `name` it shows."""
+    par, pipe, spikes = recipe.parallel, recipe.pipeline, recipe.spikes
+    return (
+        f"{name}: {steps} iterations x {pipe.micro_batches} micro-batches of {recipe.batch.tokens} tokens per rank, "
+        f"pipeline rank {pipe.rank}/{pipe.pp}, EP rank {par.ep_rank} of {par.ep} processes (its memory; the job's tokens/s), "
+        f"spikes in {spikes.spike_probability:.1%} of iterations up to {spikes.spike_max_imbalance}x"
+    )
+
+
+def summary(results: Sequence[PolicyResult]) -> list[dict]:
+    """Per policy: the numbers of `bagualu demo --json`, throughput also as a ratio to full
+    recompute (measured in the same run) when that policy ran."""
+    baseline = next((r for r in results if r.policy == "full_recompute"), None)
+    return [
+        {
+            "policy": r.policy,
+            "steps_completed": r.steps_completed,
+            "ooms": r.ooms,
+            "tokens_per_s": r.tokens_per_s,
+            "vs_full_recompute": r.tokens_per_s / baseline.tokens_per_s if baseline and baseline.tokens_per_s else None,
+            "peak_device_bytes": r.peak_device_bytes,
+            "capacity_bytes": r.capacity_bytes,
+            "rank": r.rank,
+            "rank_peak_device_bytes": r.rank_peak_device_bytes,
+            "planner_ms_per_micro_batch": r.planner_ms_per_micro_batch,
+            "seconds": r.seconds,
+        }
+        for r in results
+    ]
+
+
+def summary_table(rows: Sequence[dict]) -> str:
+    """`summary`'s rows as `bagualu demo`'s table."""
+    return table(
+        ["policy", "steps", "OOMs", "tokens/s", "vs full recompute", "peak device", "capacity", "planner ms/mb"],
+        [
+            [
+                r["policy"], r["steps_completed"], r["ooms"], f"{r['tokens_per_s']:.0f}",
+                "-" if r["vs_full_recompute"] is None else f"{r['vs_full_recompute']:.2f}x",
+                fmt_bytes(r["peak_device_bytes"]), fmt_bytes(r["capacity_bytes"]), f"{r['planner_ms_per_micro_batch']:.2f}",
+            ]
+            for r in rows
+        ],
+    )

@@ -16,7 +16,7 @@ point overlaps nothing (its classes one after another, each a chain).
 
 Then measured: the executor (`runtime.dual_batch`) against the unfused 1F1B driver on CPU, with
 real expert parallelism over 2 gloo processes of one thread each (a tiny GLM-4-MoE, pipeline
-rank 0 of 4, 8 micro-batches, plans that recompute and offload), iterations alternating, the median per
+rank 0 of 4, 8 micro-batches, plans that recompute and offload), iterations alternating between two copies of the model, the median per
 iteration of the slower rank, and the DP's cache over the run. On CPU nothing runs concurrently
 (one stream; gloo's all-to-alls block), so this measures what fusing costs or saves without
 overlap: the piece-wise autograd and the schedule's bookkeeping.
@@ -62,10 +62,10 @@ def main() -> None:
         uncached = time.perf_counter() - start
         points = fused_points(rank.schedule)
         steady = sum(b is not None for _, b in points)  # fused points on rank 0
-        cache = ScheduleCache(lambda key, blocks=blocks: blocks)
+        cache = ScheduleCache(rank.chunks, stage.options)
         start = time.perf_counter()
         for _ in range(100 * steady):  # one miss, then hits: budgets repeat with the phase (§V-B)
-            cache.get((round(budget), 0, "steady"))
+            cache.get(stage.tokens, seq, (0, 0, 0, 0), [plan] * 4)
         amortised = (time.perf_counter() - start) / (100 * steady)
         serial = schedule.serial_s
         alone = {"F": window_time([stages[0]]), "B": window_time([stages[1]])}
@@ -81,12 +81,18 @@ def main() -> None:
 
 
 def _rank(rank: int, size: int, iterations: int) -> dict:
-    """One expert-parallel rank: fused and unfused iterations alternating on one Provisioner."""
+    """One expert-parallel rank: fused and unfused iterations alternating, on two copies of the
+    model (same weights), each with its Provisioner."""
     torch.set_num_threads(1)  # a core per process: two ranks of two threads each on two cores thrash
     batch, seq, m = 2, 64, 8
-    model = tiny_model("glm4_moe", num_hidden_layers=4, hidden_size=128, moe_intermediate_size=64, intermediate_size=256)
-    model.set_experts_implementation("bagualu")
-    expert_parallel(model)
+
+    def make():
+        model = tiny_model("glm4_moe", num_hidden_layers=4, hidden_size=128, moe_intermediate_size=64, intermediate_size=256)
+        model.set_experts_implementation("bagualu")
+        expert_parallel(model)
+        return model
+
+    model = make()
     keep = model_cost(model).activation_bytes(batch * seq, seq_len=seq)
     recipe = Recipe.from_dict({
         "hardware": {"preset": "cpu", "capacity_bytes": int(2.4 * keep)},
@@ -97,25 +103,30 @@ def _rank(rank: int, size: int, iterations: int) -> dict:
         "budget": {"non_activation_bytes": 0},
         "strategies": {"allowed": ["recompute", "offload"], "offload": {"min_bytes": 0}},
     })
-    prov = apply(model, recipe)
+    runs = {}  # the same weights twice, one Provisioner fused and one not
+    for fused in (True, False):
+        copy = model if fused else make()
+        pipeline = recipe.pipeline.model_copy(update={"dual_batch": fused})
+        runs[fused] = copy, apply(copy, recipe.model_copy(update={"pipeline": pipeline}))
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, model.config.vocab_size, (batch, seq), generator=g) for _ in range(m)]
     times = {True: [], False: []}
     for it in range(iterations + 1):  # the first of each: warm-up
-        for fused in (True, False):
+        for fused, (run, prov) in runs.items():
             torch.distributed.barrier()
             start = time.perf_counter()
-            run_iteration(model, batches, prov.stage.schedule, prov, dual_batch=fused)
-            model.zero_grad(set_to_none=True)
+            run_iteration(run, batches, prov.stage.schedule, prov)
+            run.zero_grad(set_to_none=True)
             if it:
                 times[fused].append(time.perf_counter() - start)
+    prov = runs[True][1]
     points = [e.point for e in prov.events if e.point]
     strategies = sorted({s for e in prov.events for s in e.plan.values()})
     return {
         "fused": statistics.median(times[True]), "unfused": statistics.median(times[False]), "strategies": strategies,
-        "hit_rate": sum(p["cache_hit"] for p in points) / len(points), "points": len(points),
-        "predicted": statistics.median(p["serial_s"] / p["predicted_s"] for p in points),
-        "recovered": sum(p["recovered"] is not None for p in points),
+        "hit_rate": sum(p.cache_hit for p in points) / len(points), "points": len(points),
+        "predicted": statistics.median(p.serial_s / p.predicted_s for p in points),
+        "recovered": sum(p.recovered is not None for p in points),
     }
 
 

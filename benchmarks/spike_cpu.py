@@ -20,8 +20,8 @@ import json
 from tqdm.auto import tqdm
 
 from bagualu_plugin import load_recipe
-from bagualu_plugin.demo import POLICIES, run_demo, summary, summary_table
-from bagualu_plugin.report import plot_timeline, table
+from bagualu_plugin.demo import POLICIES, run_demo
+from bagualu_plugin.report import plot_timeline, summary, summary_table, table
 
 PAPER_SPIKE_PROBABILITY = 0.029
 

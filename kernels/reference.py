@@ -3,7 +3,7 @@ the activation to a lower precision for storage and casts it back before use").
 
 The tensor is flattened and cut into blocks of `block_size` elements (the last one may be
 partial); each block keeps one FP32 scale, amax(|x|) / QMAX, so one outlier only costs precision
-inside its own block (per-tensor scales gave ~5e-2 gradient error, DESIGN.md section 5). Stored
+inside its own block (per-tensor scales gave ~5e-2 gradient error, docs/architecture.md). Stored
 bytes are one per element plus four per block, the cost model's `fp8_stored_bytes`.
 
 Scale convention: where amax / QMAX is zero (an all-zero block, or an FP32 amax below ~1e-43 whose

@@ -8,7 +8,7 @@ rows past the end. Bit-exactness rests on using only correctly rounded fp32 oper
 `div_rn` (Triton's `/` is an approximate division on NVIDIA GPUs), a round-half-to-even built from
 `floor` (libdevice `rint` does not run in the interpreter), clamps before the casts, and the
 e4m3 cast, which rounds to nearest even on the GPU. Under TRITON_INTERPRET=1 that cast is wrong
-for some values (DESIGN.md section 5) and fp32 -> bf16 truncates; int8 payloads, scales and fp32 /
+for some values (docs/architecture.md) and fp32 -> bf16 truncates; int8 payloads, scales and fp32 /
 fp16 outputs are bit-exact there too.
 """
 

@@ -25,12 +25,11 @@ import yaml
 pytest.importorskip("accelerate")
 
 from accelerate import Accelerator  # noqa: E402
+from helpers import tiny_recipe  # noqa: E402
 
 import bagualu_plugin as bgl  # noqa: E402
-from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
 from bagualu_plugin.adapters.tiny import save_tiny, tiny_model, tiny_tokenizer  # noqa: E402
 from bagualu_plugin.config import Recipe  # noqa: E402
-from bagualu_plugin.costmodel import ModelDims  # noqa: E402
 from bagualu_plugin.derive import recipe_of  # noqa: E402
 from bagualu_plugin.integrations.accelerate import prepare_model  # noqa: E402
 from bagualu_plugin.parallel.launch import free_port  # noqa: E402
@@ -45,18 +44,11 @@ WORDS = "the quick brown fox jumps over a lazy dog while experts route tokens ac
 
 def _recipe(dp: int = 1, ep: int = 1, capacity: float = 0.7, **changes) -> dict:
     """The tiny model at 0.7 x its keep-all micro-batch: it has to plan."""
-    model = tiny_model("qwen3_moe", **TINY)
-    keep = model_cost(model).activation_bytes(MBS * SEQ, seq_len=SEQ)
-    return {
-        "hardware": {"preset": "cpu", "capacity_bytes": int(capacity * keep)},
-        "model": ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa").model_dump(exclude_defaults=True),
-        "parallel": {"dp": dp, "ep": ep},
-        "pipeline": {"pp": 1, "micro_batches": M},
-        "batch": {"seq_len": SEQ, "micro_batch_size": MBS},
-        "budget": {"non_activation_bytes": 0},
-        "strategies": {"allowed": ["recompute", "offload"]},
-        **changes,
-    }
+    recipe = tiny_recipe(
+        tiny_model("qwen3_moe", **TINY), seq_len=SEQ, micro_batch_size=MBS, capacity=capacity, parallel={"dp": dp, "ep": ep},
+        pipeline={"pp": 1, "micro_batches": M}, strategies={"allowed": ["recompute", "offload"]}, exclude_defaults=True, as_dict=True,
+    )
+    return {**recipe, **changes}
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +91,7 @@ def ddp(workdir):
     return plugin, stock
 
 
+@pytest.mark.multiprocess
 def test_two_processes_train_bitwise_stock_under_the_capacity(ddp, workdir):
     _same_training(*ddp, processes=2)
     from transformers import AutoModelForCausalLM
@@ -112,6 +105,7 @@ def test_two_processes_train_bitwise_stock_under_the_capacity(ddp, workdir):
     assert (workdir / "ddp" / "telemetry.rank1.jsonl").exists()
 
 
+@pytest.mark.multiprocess
 def test_expert_parallel_over_two_processes(ddp, workdir):
     """Each process holds 4 of the 8 experts; DDP leaves them alone, and their gradients are
     scaled to the mean DDP takes of the rest: the same training as data parallelism, to rounding."""
@@ -126,6 +120,7 @@ def test_expert_parallel_over_two_processes(ddp, workdir):
     assert model.model.layers[1].mlp.experts.gate_up_proj.shape[0] == 8
 
 
+@pytest.mark.multiprocess
 def test_convergence_with_and_without_the_plugin(workdir):
     plugin = _run(workdir, "long", _recipe(), 30, 1)
     stock = _run(workdir, "long-stock", _recipe(), 30, 1, "--no-adaptive")

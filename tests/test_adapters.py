@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import plan_step
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config, LlamaConfig
@@ -50,10 +51,7 @@ def model_of(family: str, impl: str = "grouped_mm", dtype=torch.float32, **overr
 
 def step(model, ids: torch.Tensor):
     """Loss and every parameter gradient of one forward/backward."""
-    model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return plan_step(model, ids, labels=ids, grads="all", named=True)[:2]
 
 
 def assert_bitwise(reference, other):

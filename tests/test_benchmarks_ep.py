@@ -5,7 +5,11 @@ import importlib
 import json
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+pytestmark = pytest.mark.multiprocess  # the benchmark spawns its gloo ranks
 
 
 def test_smallest_run_prints_its_table_and_writes_positive_times(tmp_path, monkeypatch, capsys):

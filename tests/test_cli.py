@@ -13,6 +13,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "bagualu_plugin.cli", *args], capture_output=True, text=True)
 
 
+@pytest.mark.multiprocess
 def test_curve_on_the_paper_glm_423b_preset(tmp_path):
     png = tmp_path / "curve.png"
     done = _run("curve", "glm-423b-a30b", "--png", str(png), "--spike", "6:2.6", "--spike", "7:2.6")
@@ -28,6 +29,7 @@ def test_curve_on_the_paper_glm_423b_preset(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
+@pytest.mark.multiprocess
 def test_curve_json_is_consistent(tmp_path):
     done = _run("curve", "glm-423b-a30b", "--png", str(tmp_path / "c.png"), "--json", "--spike", "3:2.6")
     assert done.returncode == 0, done.stderr
@@ -52,20 +54,43 @@ def test_validate_recipe(tmp_path, capsys):
     assert "ok: glm-423b-a30b" in capsys.readouterr().out
     bad = tmp_path / "bad.yaml"
     bad.write_text("hardware: h100\nmodel: {family: glm4_moe}\n")
-    assert main(["validate-recipe", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert f"recipe {bad}: model.hidden_size" in err and "pipeline" in err
+    assert main(["validate-recipe", str(bad), "qwen3_moe"]) == 2  # every file is checked
+    out, err = capsys.readouterr()
+    assert "ok: qwen3_moe" in out
+    lines = err.splitlines()
+    assert f"bagualu validate-recipe: error: recipe {bad}: model.hidden_size" in err and "pipeline" in err
+    assert len(lines) > 1 and all(line.startswith("bagualu validate-recipe: error: recipe ") for line in lines)
 
 
+@pytest.mark.multiprocess
 def test_bad_arguments_are_named():
     done = _run("curve", "glm-423b-a30b", "--spike", "seven")
     assert done.returncode == 2 and "MICRO_BATCH:IMBALANCE" in done.stderr
     done = _run("curve", "glm-423b-a30b", "--spike", "99:2")
-    assert done.returncode != 0 and "--spike micro-batch 99" in done.stderr
+    assert done.returncode == 2 and "--spike micro-batch 99" in done.stderr
     done = _run("curve", "no-such-recipe")
     assert done.returncode == 2 and "built-in recipes" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["curve", "glm-423b-a30b", "--spike", "seven"],  # argparse's
+        ["curve", "glm-423b-a30b", "--spike", "99:2"],  # the subcommand's, after parsing
+        ["curve", "no-such-recipe"],  # the recipe's
+        ["simulate", "glm-423b-a30b", "--seed", "-1"],
+        ["simulate", "glm-423b-a30b", "--trace", "x.jsonl", "--seed", "1"],
+    ],
+)
+def test_every_error_reads_as_argparse_writes_its_own(args, capsys):
+    """`bagualu <command>: error: ...` on stderr, exit status 2, wherever the error was found."""
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"bagualu {args[0]}: error: ")
+
+
+@pytest.mark.multiprocess
 def test_demo_writes_table_timeline_and_json(tmp_path):
     png, out = tmp_path / "timeline.png", tmp_path / "demo.json"
     done = _run("demo", "--steps", "2", "--policies", "adaptive,none", "--png", str(png), "--json", str(out))
@@ -82,6 +107,7 @@ def test_demo_writes_table_timeline_and_json(tmp_path):
     assert rows[0]["ooms"] == 0 and rows[0]["peak_device_bytes"] <= rows[0]["capacity_bytes"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -93,9 +119,10 @@ def test_demo_writes_table_timeline_and_json(tmp_path):
 )
 def test_demo_rejects_bad_arguments(args, message):
     done = _run("demo", *args)
-    assert done.returncode == 2 and message in done.stderr
+    assert done.returncode == 2 and message in done.stderr and "bagualu demo: error: " in done.stderr
 
 
+@pytest.mark.multiprocess
 def test_demo_fails_before_training_when_capacity_cannot_hold_m0(tmp_path):
     import re
 
@@ -104,7 +131,7 @@ def test_demo_fails_before_training_when_capacity_cannot_hold_m0(tmp_path):
     recipe = tmp_path / "small.yaml"
     recipe.write_text(re.sub(r"capacity_bytes: \w+", "capacity_bytes: 2MB", builtin_recipes()["demo"].read_text()))
     done = _run("demo", str(recipe), "--steps", "1", "--png", str(tmp_path / "t.png"))
-    assert done.returncode == 2
+    assert done.returncode == 2 and f"bagualu demo: error: {recipe}: " in done.stderr
     assert "cannot hold static memory 0 plus 4 in-flight micro-batches" in done.stderr and "M0 = " in done.stderr
     assert not (tmp_path / "t.png").exists()
 

@@ -289,7 +289,7 @@ def _tiny(**kw) -> ModelDims:
 
 
 def test_grouped_mm_experts_match_the_measured_bytes():
-    """DESIGN.md section 5 measured the grouped_mm experts at 1052 * S + 32 bytes (H=64, I=32,
+    """docs/architecture.md measured the grouped_mm experts at 1052 * S + 32 bytes (H=64, I=32,
     8 experts, fp32): gathered tokens, gate/up output, SiLU, product, down output, weights and
     three index vectors per pair, plus the int32 offsets."""
     cm = CostModel.from_config(_tiny(), preset("cpu"))

@@ -12,7 +12,10 @@ import torch.distributed as dist
 
 from bagualu_plugin import load_recipe
 from bagualu_plugin.adapters.costs import model_cost
-from bagualu_plugin.demo import PolicyRun, average_gradients, demo_stage, rank_batches, rank_model, rank_recipe, run_demo
+from bagualu_plugin.demo import run_demo
+from bagualu_plugin.demo.model import demo_stage, rank_batches, rank_model, rank_recipe
+from bagualu_plugin.demo.policies import PolicyRun
+from bagualu_plugin.parallel.gradients import average_gradients
 from bagualu_plugin.parallel.launch import run_ranks
 from bagualu_plugin.spikes import imbalance_schedule
 
@@ -30,6 +33,7 @@ def every_iteration_spikes():
     return recipe, run_demo(recipe, steps=2, policies=["adaptive", "none"], timeout_s=300)
 
 
+@pytest.mark.multiprocess
 def test_adaptive_survives_spikes_that_crash_the_unmitigated_policy(every_iteration_spikes):
     recipe, (adaptive, none) = every_iteration_spikes
     capacity, ep, pipe = recipe.hardware.capacity_bytes, recipe.parallel.ep, recipe.pipeline
@@ -50,6 +54,7 @@ def test_adaptive_survives_spikes_that_crash_the_unmitigated_policy(every_iterat
     assert none.rank_peak_device_bytes[recipe.parallel.ep_rank] == max(none.rank_peak_device_bytes)
 
 
+@pytest.mark.multiprocess
 def test_restart_is_charged_once_for_the_job(every_iteration_spikes):
     _, (adaptive, none) = every_iteration_spikes
     for r in (adaptive, none):
@@ -124,6 +129,7 @@ def _oom_on_one_rank(rank: int, size: int, short: int) -> dict:
     return dict(limit=limit, identical=identical, averaged=_averaged(rank, size), stepped=stepped, results=results, same_across_ranks=same)
 
 
+@pytest.mark.multiprocess
 def test_an_oom_on_one_rank_stops_every_rank_at_the_same_step():
     """Also: every policy's model starts as the same copy, an iteration ends with an optimizer
     step except one that ran out of memory (its restart resumes from the last step), and data

@@ -5,12 +5,12 @@ import random
 
 import pytest
 
+from bagualu_plugin.config import check_pipeline
 from bagualu_plugin.planner.dual_batch import (
     CLASSES,
     ScheduleCache,
     StageTime,
     brute_force,
-    check_pipeline,
     solve,
     window_time,
 )
@@ -56,19 +56,39 @@ def test_a_pipeline_of_two_or_fewer_stages_is_refused():
     check_pipeline(3)
 
 
-def test_the_cache_solves_each_key_once():
-    built = []
+def _small_cost_model():
+    from bagualu_plugin.costmodel import CostModel, ModelDims, Parallel
+    from bagualu_plugin.hardware import preset
 
-    def stages(key):
-        built.append(key)
-        return [_instance(random.Random(hash(key) % 1000), 2)]  # one block
+    dims = ModelDims(family="qwen3_moe", hidden_size=256, num_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=64, vocab_size=1024, num_experts=8, top_k=2, moe_intermediate_size=128, qk_norm=True)
+    return CostModel.from_config(dims, preset("h100"), Parallel(dp=2, ep=2))
 
-    cache = ScheduleCache(stages)
-    for _ in range(5):
-        for phase in ("steady",):
-            for bucket in (3, 4):
-                cache.get((bucket, 1, phase))
-    assert len(built) == 2 and (cache.hits, cache.misses) == (8, 2) and cache.hit_rate == 0.8
+
+def test_the_cache_solves_each_block_once_and_equals_solving_the_point():
+    """A point's schedule from the cache is the point solved block by block from the cost model;
+    a second point whose plans differ in one block solves that block alone again."""
+    from bagualu_plugin.costmodel import OpId
+    from bagualu_plugin.costmodel.plan import Plan
+    from bagualu_plugin.planner.dual_batch import piece_stages, point_stages, solve_blocks
+
+    cm = _small_cost_model()
+    tokens = seq = 4096
+    moe = cm.moe_layers
+    offload = Plan({OpId(i, "expert_fc1"): "offload" for i in moe})
+    recompute = Plan({OpId(i, n): "recompute" for i in moe for n in ("expert_fc1", "expert_act", "expert_fc2")})
+    cache = ScheduleCache([cm])
+    plans = [recompute, recompute, offload, recompute]
+    schedule, hit = cache.get(tokens, seq, (0, 0, 0, 0), plans)
+    assert not hit and cache.misses == len(cm.blocks) and cache.hits == 0
+    assert schedule == solve_blocks(piece_stages(point_stages(cm, *plans, tokens, seq_len=seq)))
+    assert cache.get(tokens, seq, (0, 0, 0, 0), plans) == (schedule, True)
+    # x's plan changes in its last MoE layer only: F runs that block at one position, the others hit
+    changed = Plan({**recompute, OpId(moe[-1], "attn_core"): "recompute"})
+    other, hit = cache.get(tokens, seq, (0, 0, 0, 0), [changed, *plans[1:]])
+    assert not hit and cache.misses == len(cm.blocks) + 1
+    assert other == solve_blocks(piece_stages(point_stages(cm, changed, *plans[1:], tokens, seq_len=seq)))
+    assert cache.hit_rate == pytest.approx((2 * len(cm.blocks) - 1) / (3 * len(cm.blocks)))
 
 
 def test_a_scheduling_point_s_stages_come_from_the_cost_model():
@@ -76,13 +96,10 @@ def test_a_scheduling_point_s_stages_come_from_the_cost_model():
     offload of x-1 is copies, the recovery of y+1 reloads and recompute; the stage totals are the
     cost model's times. Solved block by block, the point is no faster than the whole DP allows and
     faster than the classes one after another."""
-    from bagualu_plugin.costmodel import CostModel, ModelDims, OpId, Parallel
-    from bagualu_plugin.hardware import preset
+    from bagualu_plugin.costmodel import OpId
     from bagualu_plugin.planner.dual_batch import joined, point_stages, solve_blocks
 
-    dims = ModelDims(family="qwen3_moe", hidden_size=256, num_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=64, vocab_size=1024, num_experts=8, top_k=2, moe_intermediate_size=128, qk_norm=True)
-    cm = CostModel.from_config(dims, preset("h100"), Parallel(dp=2, ep=2))
+    cm = _small_cost_model()
     moe, tokens, seq = cm.moe_layers, 4096, 4096
     offload = {OpId(i, "expert_fc1"): "offload" for i in moe}
     recompute = {OpId(i, n): "recompute" for i in moe for n in ("expert_fc1", "expert_act", "expert_fc2")}
@@ -105,6 +122,7 @@ def test_a_scheduling_point_s_stages_come_from_the_cost_model():
     assert solve(stages).time_s <= blockwise.time_s + 1e-12 < blockwise.serial_s
 
 
+@pytest.mark.multiprocess
 def test_the_benchmark_prints_every_table_ii_preset():
     import subprocess
     import sys

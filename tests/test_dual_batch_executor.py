@@ -8,11 +8,10 @@ import json
 
 import pytest
 import torch
+from helpers import tiny_recipe
 
 from bagualu_plugin.adapters import tiny_model
-from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.config import Recipe, RecipeError
-from bagualu_plugin.costmodel import ModelDims
 from bagualu_plugin.parallel.launch import run_ranks
 from bagualu_plugin.runtime.driver import run_iteration
 from bagualu_plugin.runtime.provisioner import apply
@@ -22,16 +21,15 @@ M, BATCH, SEQ, PP = 6, 2, 32, 4
 
 def _recipe(model, rank: int, capacity: float, allowed: list[str], telemetry: str | None = None) -> Recipe:
     """Capacity as a multiple of one unmitigated micro-batch; rank 0 of 4 holds 4 in flight."""
-    keep = model_cost(model).activation_bytes(BATCH * SEQ, seq_len=SEQ)
-    return Recipe.from_dict({
-        "hardware": {"preset": "cpu", "capacity_bytes": int(capacity * keep)},
-        "model": ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa").model_dump(),
-        "pipeline": {"pp": PP, "rank": rank, "micro_batches": M, "dual_batch": True},
-        "batch": {"seq_len": SEQ, "micro_batch_size": BATCH},
-        "budget": {"non_activation_bytes": 0},
-        "strategies": {"allowed": allowed, "offload": {"min_bytes": 0}},
-        "telemetry": {"path": telemetry},
-    })
+    return tiny_recipe(
+        model, seq_len=SEQ, micro_batch_size=BATCH, capacity=capacity,
+        pipeline={"pp": PP, "rank": rank, "micro_batches": M, "dual_batch": True},
+        strategies={"allowed": allowed, "offload": {"min_bytes": 0}}, telemetry=telemetry,
+    )
+
+
+def _fused(recipe: Recipe, fused: bool) -> Recipe:
+    return recipe.model_copy(update={"pipeline": recipe.pipeline.model_copy(update={"dual_batch": fused})})
 
 
 def _batches():
@@ -41,14 +39,14 @@ def _batches():
 
 def _train(model, recipe: Recipe, fused: bool) -> dict:
     """Two iterations (the second finds the first's schedules in the DP's cache)."""
-    prov = apply(model, recipe)
+    prov = apply(model, _fused(recipe, fused))
     calls = {"in backward": 0, "other": 0}  # Linear calls: forwards, and replays in backward or ahead of it
 
     def count(*_):
         calls["in backward" if torch._C._current_graph_task_id() != -1 else "other"] += 1
 
     hooks = [m.register_forward_pre_hook(count) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    losses = [loss for _ in range(2) for loss in run_iteration(model, _batches(), prov.stage.schedule, prov, dual_batch=fused)]
+    losses = [loss for _ in range(2) for loss in run_iteration(model, _batches(), prov.stage.schedule, prov)]
     for hook in hooks:
         hook.remove()
     run = {
@@ -93,14 +91,14 @@ def test_fused_points_equal_the_unfused_schedule_bitwise(family, rank, capacity,
     assert len(points) == 2 * (M - warmup) and not any(plain["points"])
     pieces = 4 + 2  # embedding, layers, head
     for x, point in zip(2 * [*range(warmup, M)], points):
-        order = point["order"]
-        assert point["backward"] == x - warmup
+        order = point.order
+        assert point.backward == x - warmup
         assert [o for o in order if o[0] == "F"] == [f"F{k}" for k in range(pieces)]  # program order within a class
         assert [o for o in order if o[0] == "B"] == [f"B{k}" for k in range(pieces)]
         y = x - warmup
-        assert point["recovered"] == (y + 1 if y + 1 < x - 1 else None)
-        assert point["predicted_s"] <= point["serial_s"]
-    assert any(p["cache_hit"] for p in points)
+        assert point.recovered == (y + 1 if y + 1 < x - 1 else None)
+        assert point.predicted_s <= point.serial_s
+    assert any(p.cache_hit for p in points)
 
 
 def test_each_steady_point_is_in_the_telemetry(tmp_path):
@@ -135,13 +133,13 @@ def _expert_parallel_run(rank: int, size: int) -> dict:
         expert_parallel(model)
         recipe = _recipe(model, 0, 2.4, ["recompute", "offload"])
         recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"ep": size, "ep_rank": rank, "dp": size})})
-        prov = apply(model, recipe)
+        prov = apply(model, _fused(recipe, fused))
 
         def spike(step, model=model):
             fraction = 1.0 if step.micro_batch in (1, 4) else 0.0
             return RoutingSkew(Adapter(model), fraction, ep_size=size, ep_rank=0, layers=[2])
 
-        losses = run_iteration(model, batches, prov.stage.schedule, prov, around=spike, dual_batch=fused)
+        losses = run_iteration(model, batches, prov.stage.schedule, prov, around=spike)
         out[fused] = dict(
             losses=torch.stack(losses),
             grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None},
@@ -153,6 +151,7 @@ def _expert_parallel_run(rank: int, size: int) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_expert_parallel_ranks_fuse_bitwise_with_spikes():
     hot, cold = ranks = run_ranks(_expert_parallel_run, 2, timeout_s=180)
     for rank in ranks:

@@ -140,6 +140,7 @@ def _round_trip_worker(rank: int, size: int, tmp_path: Path, names: list[str]) -
     return report
 
 
+@pytest.mark.multiprocess
 def test_load_and_save_round_trip(tmp_path):
     """Each rank holds half the experts and nothing else less; slices, loss, buffers and the saved
     checkpoint all match the whole model's."""
@@ -176,6 +177,7 @@ def _bad_input_worker(rank: int, size: int, tmp_path: Path) -> dict:
     return {"error": error}
 
 
+@pytest.mark.multiprocess
 def test_experts_not_divisible_by_group(tmp_path):
     save_tiny("qwen3_moe", tmp_path / "seven", num_experts=7)
     for report in _spawn(_bad_input_worker, tmp_path):

@@ -13,24 +13,27 @@ Every group has a 60 s collective timeout and every launch a deadline (`parallel
 
 import pytest
 import torch
+from helpers import plan_step, relative_error, tiny_recipe
 
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, Adapter, tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.adapters.gate import GateMonitor, RoutingSkew
 from bagualu_plugin.config import Recipe
-from bagualu_plugin.costmodel import ModelDims, OpId
+from bagualu_plugin.costmodel import OpId
 from bagualu_plugin.costmodel.graph import EXPERT_OPS
 from bagualu_plugin.parallel import expert_parallel
 from bagualu_plugin.parallel.launch import RankError, run_ranks
 from bagualu_plugin.runtime.driver import run_iteration
-from bagualu_plugin.runtime.plan_runtime import PlanRuntime, apply_plan
+from bagualu_plugin.runtime.plan_runtime import PlanRuntime
 from bagualu_plugin.runtime.profiler import measure_micro_batch
 
 FAMS = sorted(FAMILIES)
 BATCH, SEQ = 2, 16
 TOKENS = BATCH * SEQ
 TOL = 1e-5
+
+pytestmark = pytest.mark.multiprocess  # every test runs gloo ranks (`run_ranks`)
 
 
 def _model(family: str, ep: bool = True, **overrides):
@@ -46,16 +49,8 @@ def _batch(rank: int) -> torch.Tensor:
 
 
 def _step(model, ids, plan=None):
-    model.zero_grad(set_to_none=True)
-    with apply_plan(model, plan or {}) as ledger:
-        loss = model(input_ids=ids, labels=ids.clone()).loss  # labels of their own, as collators make them
-        saved = ledger.live_device_bytes
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, saved
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    """Loss, gradients by name and saved bytes of one step (labels a copy of `ids`)."""
+    return plan_step(model, ids, plan or {}, named=True)
 
 
 def _skew(model, fraction: float, layers=None):
@@ -78,9 +73,9 @@ def _against_one_process(rank: int, size: int, families: list[str], fraction: fl
             g0 = grads0[name]
             if g.shape != g0.shape:  # a sharded expert parameter: every rank's tokens reached it
                 torch.distributed.all_reduce(g0)
-                expert = max(expert, _rel(g, g0[local.start : local.stop]))
+                expert = max(expert, relative_error(g, g0[local.start : local.stop], floor=1e-30))
             else:
-                other = max(other, _rel(g, g0))
+                other = max(other, relative_error(g, g0, floor=1e-30))
         sharded = sum(p.numel() for layer in Adapter(model).layers if layer.moe for p in layer.experts.parameters())
         full = sum(p.numel() for layer in Adapter(reference).layers if layer.moe for p in layer.experts.parameters())
         out[family] = dict(loss=abs(loss - loss0).item() / loss0.item(), expert=expert, other=other,
@@ -202,18 +197,12 @@ def test_one_rank_failing_stops_the_job():
 
 
 def _recipe(model, ep: int, ep_rank: int, pp: int = 1, micro_batches: int = 3) -> Recipe:
-    dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
-    return Recipe.from_dict(
-        {
-            "hardware": {"preset": "cpu"},
-            "model": dims.model_dump(),
-            "parallel": {"ep": ep, "ep_rank": ep_rank, "dp": ep},
-            "pipeline": {"pp": pp, "rank": 0, "micro_batches": micro_batches},
-            "batch": {"seq_len": SEQ, "micro_batch_size": BATCH},
-            "budget": {"non_activation_bytes": 0},
-            # fp8 is lossy; tensors of a tiny model are all below the default offload minimum
-            "strategies": {"offload": {"min_bytes": 0}},
-        }
+    """Expert-parallel rank `ep_rank` of `ep`, pipeline rank 0 of `pp`, at the CPU preset's capacity."""
+    return tiny_recipe(
+        model, seq_len=SEQ, micro_batch_size=BATCH, parallel={"ep": ep, "ep_rank": ep_rank, "dp": ep},
+        pipeline={"pp": pp, "rank": 0, "micro_batches": micro_batches},
+        # fp8 is lossy; tensors of a tiny model are all below the default offload minimum
+        strategies={"offload": {"min_bytes": 0}},
     )
 
 

@@ -8,29 +8,25 @@ import gc
 
 import pytest
 import torch
+from helpers import tiny_recipe
 
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import Adapter, tiny_model
-from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.config import Recipe
-from bagualu_plugin.costmodel import ModelDims
 from bagualu_plugin.parallel.launch import run_ranks
 from bagualu_plugin.runtime.plan_runtime import apply_plan
 
 SEQ, MBS = 32, 2
 
+pytestmark = pytest.mark.multiprocess  # every test runs 2 gloo ranks (`run_ranks`)
+
 
 def _recipe(model, capacity: float) -> Recipe:
-    keep = model_cost(model).activation_bytes(MBS * SEQ, seq_len=SEQ)
-    return Recipe.from_dict({
-        "hardware": {"preset": "cpu", "capacity_bytes": int(capacity * keep)},
-        "model": ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa").model_dump(),
-        "parallel": {"dp": 2},
-        "pipeline": {"pp": 1, "micro_batches": 1},
-        "batch": {"seq_len": SEQ, "micro_batch_size": MBS},
-        "budget": {"non_activation_bytes": 0},
-        "strategies": {"allowed": ["recompute", "offload"]},
-    })
+    """Capacity as a multiple of one unmitigated micro-batch."""
+    return tiny_recipe(
+        model, seq_len=SEQ, micro_batch_size=MBS, capacity=capacity, parallel={"dp": 2}, pipeline={"pp": 1, "micro_batches": 1},
+        strategies={"allowed": ["recompute", "offload"]},
+    )
 
 
 def _micro_batch(rank: int, size: int, capacity: float) -> dict:

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 import yaml
+from helpers import plan_step, relative_error
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -33,11 +34,6 @@ MODEL_GRAD_TOLERANCE = {torch.float32: 1e-6, torch.bfloat16: 2**-7}
 IDS = torch.randint(0, 128, (2, 48), generator=torch.Generator().manual_seed(0))
 LABELS = IDS.clone()
 CHUNKED = MitigationOptions(loss_chunk_tokens=40)  # 96 tokens: two full chunks and a partial one
-
-
-def relative_error(grads, reference) -> float:
-    num = sum(((g - r).float().norm() ** 2).item() for g, r in zip(grads, reference))
-    return (num / sum((r.float().norm() ** 2).item() for r in reference)) ** 0.5
 
 
 def _step(loss_of, params):
@@ -76,12 +72,9 @@ def test_chunked_loss_matches_hf_loss(dtype, bias, kwargs):
 
 
 def run(model, plan=None, options=MitigationOptions()):
-    model.zero_grad(set_to_none=True)
-    with apply_plan(model, plan or {}, options=options) as ledger:
-        out = model(input_ids=IDS, labels=LABELS)
-        saved, logits = ledger.live_device_bytes, out.logits.shape
-    out.loss.backward()
-    return out.loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], saved, logits
+    """Loss, gradients, saved bytes and the shape of the returned logits of one step on IDS."""
+    loss, grads, saved, out = plan_step(model, IDS, plan or {}, labels=LABELS, options=options, output=True)
+    return loss, grads, saved, out.logits.shape
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -247,6 +247,7 @@ def interpreted(tmp_path_factory):
     return torch.load(tmp / "out.pt", weights_only=False)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [k for k in CASES if k.startswith("int8")])
 def test_interpreted_int8_quantize_is_bit_exact(interpreted, name):
     x, block_size, fmt = CASES[name]
@@ -255,6 +256,7 @@ def test_interpreted_int8_quantize_is_bit_exact(interpreted, name):
     assert (q.shape, q.dtype, q.block_size, q.fmt) == (r.shape, r.dtype, r.block_size, r.fmt)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", [k for k in CASES if k.startswith("fp8")])
 def test_interpreted_fp8_quantize_within_the_interpreter_cast_error(interpreted, name):
     """Scales are bit-exact. Payloads p (in units of x / scale) can differ from the reference's r
@@ -284,6 +286,7 @@ def test_interpreted_fp8_quantize_within_the_interpreter_cast_error(interpreted,
     assert torch.all((deq - rdeq).abs() <= (rdeq.abs() / 2 + 2**-10 * s) * (1 + 2**-20))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CASES))
 def test_interpreted_dequantize_of_the_reference_payload_is_bit_exact(interpreted, name):
     """Bit-exact for fp32 and fp16 outputs. The interpreter casts fp32 -> bf16 by truncation
@@ -304,6 +307,7 @@ def test_interpreted_dequantize_of_the_reference_payload_is_bit_exact(interprete
 # ---------------------------------------------------------------- Triton kernels on a GPU
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and triton_quant.HAVE_TRITON), reason="needs CUDA and triton")
 @pytest.mark.parametrize("fmt", ref.FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,4 +1,4 @@
-"""The activation Ledger (DESIGN.md section 6) against hand counts and an independent enumeration."""
+"""The activation Ledger (docs/architecture.md) against hand counts and an independent enumeration."""
 
 import threading
 import weakref
@@ -392,8 +392,8 @@ class Copy:
 def test_device_is_the_models():
     """PlanRuntime and the profiler pass no device: the ledger takes the device of the parameters
     off the CPU (a CUDA tensor's carries its index; `benchmarks/gpu_check.py` runs it on a GPU),
-    looked up again by refresh() (PlanRuntime.forward calls it), so the allocator is read where the
-    model computes. Meta parameters (another pipeline stage's, never loaded) compute nowhere."""
+    looked up again by refresh() (PlanRuntime.forward calls it when a parameter changed), so the
+    allocator is read where the model computes. Meta parameters (another pipeline stage's, never loaded) compute nowhere."""
     from bagualu_plugin.runtime.ledger import model_device
 
     assert Ledger.for_model(mlp()).device == torch.device("cpu") and model_device([]) == torch.device("cpu")
@@ -402,6 +402,36 @@ def test_device_is_the_models():
     assert Ledger.for_model(model).device == torch.device("cpu")
     assert model_device([torch.empty(1, device="meta"), torch.ones(1)]) == torch.device("cpu")
     assert Ledger.for_model(model, device="meta").device == torch.device("meta")  # an explicit one wins
+
+
+def test_the_ledger_walks_again_only_when_a_static_tensor_changed():
+    """`refresh_if_changed` (what `track` and PlanRuntime.forward call): no walk while nothing
+    changed, nor for modules registered outside the model; one after each change, which it then
+    excludes, explicit `exclude` tensors included."""
+    model, extra = mlp(), torch.ones(3)
+    ledger = Ledger.for_model(model, exclude=[extra])
+    walks = []
+    refresh = ledger.refresh
+    ledger.refresh = lambda: walks.append(1) or refresh()
+    nn.Linear(2, 2)  # another model's registrations
+    assert not ledger.refresh_if_changed() and walks == []
+
+    def changed(change) -> bool:
+        change()
+        return ledger.refresh_if_changed() and not ledger.refresh_if_changed()
+
+    assert changed(lambda: model.to(torch.float64))
+    assert changed(lambda: setattr(model[0], "bias", nn.Parameter(torch.zeros(8, dtype=torch.float64))))
+    assert changed(lambda: model[2].register_buffer("scale", torch.ones(3, dtype=torch.float64)))
+    assert changed(lambda: setattr(extra, "data", torch.ones(3)))
+    assert changed(lambda: model[2]._parameters.__setitem__("bias", None))
+    assert len(walks) == 5
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    with ledger.track():
+        out = (model(x) * model[2].scale * extra).sum()
+    assert len(walks) == 5 and all(ledger.excludes(t) for t in (*model.parameters(), *model.buffers(), extra))
+    assert ledger.live_device_bytes == (5 * 4 + 2 * 5 * 8) * 8  # x, SiLU's input and output: the products save the buffer and `extra`
+    del out
 
 
 def test_copies_in_flight_count_until_done_and_are_capped():

@@ -23,6 +23,7 @@ import random
 
 import pytest
 import torch
+from helpers import plan_step, relative_error
 
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, Adapter, tiny_model
@@ -40,18 +41,8 @@ TOKENS, SEQ = 96, 48
 
 
 def run(model, plan=None, options=MitigationOptions()):
-    model.zero_grad(set_to_none=True)
-    with apply_plan(model, plan or {}, options=options) as ledger:
-        loss = model(input_ids=IDS, labels=LABELS).loss
-        saved = ledger.live_device_bytes
-    loss.backward()
-    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-    return loss.detach(), grads, saved
-
-
-def relative_error(grads, reference) -> float:
-    num = sum(((g - r).float().norm() ** 2).item() for g, r in zip(grads, reference))
-    return (num / sum((r.float().norm() ** 2).item() for r in reference)) ** 0.5
+    """Loss, gradients and saved bytes of one step on IDS under `plan` (None: nothing mitigated)."""
+    return plan_step(model, IDS, plan or {}, labels=LABELS, options=options)
 
 
 def units(model) -> list[tuple[OpId, ...]]:
@@ -299,6 +290,7 @@ def _groups(hooks, mb):
         group = group.before
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_offload_on_cuda_is_exact_through_pinned_buffers_and_side_streams():
     model = tiny_model("glm4_moe").cuda()

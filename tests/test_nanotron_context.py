@@ -15,6 +15,8 @@ pytest.importorskip("nanotron")
 
 from bagualu_plugin.parallel.launch import RankError, run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess  # every test runs gloo ranks (`run_ranks`)
+
 
 def _groups(rank: int, size: int, pp: int, dp: int, ep: int) -> dict:
     from bagualu_plugin.integrations.nanotron.context import expert_group, parallel_context, rank_matrix

@@ -13,17 +13,21 @@ import torch.distributed as dist
 
 pytest.importorskip("nanotron")
 
+from helpers import tiny_recipe  # noqa: E402
+
 import bagualu_plugin as bgl  # noqa: E402
 from bagualu_plugin.adapters import tiny_model  # noqa: E402
 from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
 from bagualu_plugin.adapters.gate import GateMonitor  # noqa: E402
 from bagualu_plugin.config import Recipe  # noqa: E402
-from bagualu_plugin.costmodel import ModelDims, OpId  # noqa: E402
+from bagualu_plugin.costmodel import OpId  # noqa: E402
 from bagualu_plugin.parallel.launch import run_ranks  # noqa: E402
 from bagualu_plugin.runtime.ledger import Ledger  # noqa: E402
 from bagualu_plugin.runtime.plan_runtime import apply_plan  # noqa: E402
 
 M, BATCH, SEQ = 4, 2, 16
+
+pytestmark = pytest.mark.multiprocess  # every test runs gloo ranks (`run_ranks`)
 
 
 def _model():
@@ -33,15 +37,11 @@ def _model():
 
 
 def _recipe(model, pp: int, rank: int, capacity: int) -> Recipe:
-    dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
-    return Recipe.from_dict({
-        "hardware": {"preset": "cpu", "capacity_bytes": capacity},
-        "model": dims.model_dump(),
-        "pipeline": {"pp": pp, "rank": rank, "micro_batches": M},
-        "batch": {"seq_len": SEQ, "micro_batch_size": BATCH},
-        "budget": {"non_activation_bytes": 0},
-        "strategies": {"allowed": ["recompute"]},
-    })
+    """Capacity in bytes."""
+    return tiny_recipe(
+        model, seq_len=SEQ, micro_batch_size=BATCH, capacity_bytes=capacity, pipeline={"pp": pp, "rank": rank, "micro_batches": M},
+        strategies={"allowed": ["recompute"]},
+    )
 
 
 def _train(rank: int, size: int, plugin: bool, capacity: float = 1.6, head: dict | None = None) -> dict:

@@ -41,6 +41,7 @@ def _against_hf(rank: int, size: int, attention: str) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_one_stage_is_the_hf_forward_bitwise(attention):
     for family, (loss, grads, count) in run_ranks(_against_hf, 1, attention, timeout_s=120)[0].items():

@@ -159,6 +159,7 @@ def _run_tiny(tmp_path: Path, config: Path, nproc: int, change=None) -> list[dic
     return [json.loads(line) for line in (tmp_path / data["bagualu"]["metrics_path"]).read_text().splitlines()]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("path", TINY, ids=[p.stem for p in TINY])
 def test_tiny_config_runs_as_it_is(tmp_path, path, capsys, monkeypatch):
     data = _build_checkpoint(tmp_path, path)
@@ -173,6 +174,7 @@ def test_tiny_config_runs_as_it_is(tmp_path, path, capsys, monkeypatch):
     assert any(e["plan"] for e in events)  # the first pipeline rank plans
 
 
+@pytest.mark.multiprocess
 def test_tiny_config_with_expert_parallelism_trains_on_a_text_file(tmp_path):
     """PP=2 x EP=2 on 4 processes, a local text file tokenised with the checkpoint's tokenizer: the
     loss falls over the iterations."""

@@ -20,12 +20,12 @@ import yaml
 
 pytest.importorskip("nanotron")
 
+from helpers import tiny_recipe  # noqa: E402
 from nanotron_configs import config_dict, load  # noqa: E402
 
 from bagualu_plugin.adapters import save_tiny, tiny_model  # noqa: E402
 from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
 from bagualu_plugin.config import RecipeError  # noqa: E402
-from bagualu_plugin.costmodel import ModelDims  # noqa: E402
 from bagualu_plugin.integrations.nanotron.compat import import_nanotron  # noqa: E402
 from bagualu_plugin.integrations.nanotron.config import Config, recipe_for  # noqa: E402
 from bagualu_plugin.integrations.nanotron.train import check_supported  # noqa: E402
@@ -52,18 +52,13 @@ def _config(checkpoint: Path, bagualu: dict, pp: int = 2, ep: int = 1, dp: int =
 
 
 def _bagualu(pp: int, enabled: bool = True, capacity: float = 1.6, **sections) -> dict:
-    """`capacity` x the first stage's keep-all micro-batch: it holds pp in flight, so it plans."""
-    model = tiny_model("qwen3_moe", **TINY)
-    keep = model_cost(model).stage(pp, 0).activation_bytes(BATCH * SEQ, seq_len=SEQ)
-    return {
-        "enabled": enabled,
-        "hardware": {"preset": "cpu", "capacity_bytes": int(capacity * keep)},
-        # without defaults: the empty tuples of a dump do not survive YAML
-        "model": ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa").model_dump(exclude_defaults=True),
-        "budget": {"non_activation_bytes": 0},
-        "strategies": {"allowed": ["recompute"]},
-        **sections,
-    }
+    """`capacity` x the first stage's keep-all micro-batch: it holds pp in flight, so it plans.
+    The batch and pipeline come from nanotron's own sections."""
+    section = tiny_recipe(
+        tiny_model("qwen3_moe", **TINY), seq_len=SEQ, micro_batch_size=BATCH, capacity=capacity, stage=(pp, 0),
+        strategies={"allowed": ["recompute"]}, batch_section=False, exclude_defaults=True, as_dict=True,
+    )
+    return {"enabled": enabled, **section, **sections}
 
 
 def _launch(tmp: Path, name: str, data: dict) -> dict:
@@ -112,6 +107,7 @@ def _same_losses(stock: dict, plugin: dict, world: int) -> None:
         assert ours["peak_device_bytes"][0] < theirs["peak_device_bytes"][0]  # the first rank planned
 
 
+@pytest.mark.multiprocess
 def test_pipeline_losses_are_bitwise_stock_and_the_first_rank_plans(pipeline):
     pp, stock, plugin = pipeline
     _same_losses(stock, plugin, pp)
@@ -119,6 +115,7 @@ def test_pipeline_losses_are_bitwise_stock_and_the_first_rank_plans(pipeline):
     assert plugin["events"][0][0]["plan"]  # the first rank's first micro-batch has mitigation
 
 
+@pytest.mark.multiprocess
 def test_each_rank_budgets_by_algorithm_1(pipeline, checkpoint):
     pp, _, plugin = pipeline
     model = tiny_model("qwen3_moe", **TINY)
@@ -140,6 +137,7 @@ def _world_rank(ep_rank: int, pp_rank: int, pp: int) -> int:
     return ep_rank * pp + pp_rank  # nanotron's layout: ranks = arange(world).reshape(ep, pp, dp, tp), dp = tp = 1
 
 
+@pytest.mark.multiprocess
 def test_expert_parallel_spike_escalates_on_the_hot_rank_only(checkpoint, tmp_path):
     """PP=2 x EP=2: stage 0's layers route up to 1.3x balanced onto expert-parallel rank 0's
     experts, micro-batch 1 of each iteration 1.3-2x (the plans are made for 1.3x); stock sees the
@@ -157,6 +155,7 @@ def test_expert_parallel_spike_escalates_on_the_hot_rank_only(checkpoint, tmp_pa
     assert 1 in {e["micro_batch"] for e in hot} and {x["layer"] for e in hot for x in e["escalations"]} <= {0, 1}
 
 
+@pytest.mark.multiprocess
 def test_expert_parallel_gradients_match_data_parallel(checkpoint, tmp_path):
     """The same 2 data replicas as EP=2 (experts sharded, dense gradients averaged over the group,
     expert gradients from the all-to-all's backward) and as DP=2 (everything averaged): the same
@@ -167,6 +166,7 @@ def test_expert_parallel_gradients_match_data_parallel(checkpoint, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_tied_embeddings_over_two_stages_match_one_process(tmp_path):
     """tie_word_embeddings: the first rank's embedding and the last rank's LM head are one weight;
     its two gradients are summed, so two pipeline ranks train as one process does."""
@@ -196,6 +196,7 @@ def test_unsupported_configs_are_refused_by_name(tmp_path, change, world, field)
         check_supported(config, world)
 
 
+@pytest.mark.multiprocess
 def test_a_bad_config_stops_the_launch_before_training_naming_the_field(checkpoint, tmp_path):
     """A capacity below M0, through torchrun: every rank exits with the error, nothing trains."""
     data = _config(checkpoint, _bagualu(2, capacity=0.05))
@@ -210,6 +211,7 @@ def test_a_bad_config_stops_the_launch_before_training_naming_the_field(checkpoi
     assert "bagualu.hardware.capacity_bytes: pipeline rank 0" in done.stderr and "M0" in done.stderr
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("ep", "allowed", "capacity"), [(1, ["offload"], 3.4), (2, ["recompute"], 2.2)], ids=["pp4-offload", "pp4-ep2-recompute"]
 )

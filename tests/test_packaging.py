@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MAPPED = {"recipes": "bagualu_plugin/recipes", "kernels": "bagualu_plugin/kernels"}  # source folder -> where the wheel has it
 TOP_LEVEL = {"bagualu_plugin", "bagualu_plugin-0.1.0.dist-info"}
 
+pytestmark = pytest.mark.multiprocess  # every test reads the wheel `pip wheel` builds in a subprocess
+
 
 def expected_files(root: Path) -> set[str]:
     """Wheel paths of every module of every package (a folder with an __init__.py) under

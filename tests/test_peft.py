@@ -7,6 +7,7 @@ the experts' LoRA weights after their forward has ended."""
 
 import pytest
 import torch
+from helpers import plan_step
 from peft import LoraConfig, get_peft_model, inject_adapter_in_model
 from pydantic import ValidationError
 
@@ -32,14 +33,7 @@ def lora(family: str, dropout: float = 0.0, experts: bool = False, dtype=torch.f
 def run(model, plan, ids, backward: bool = True):
     """Loss, adapter gradients (none without `backward`) and saved bytes of one step; the same
     dropout masks every time."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(0)
-    with bgl.apply_plan(model, plan) as ledger:
-        loss = model(input_ids=ids, labels=ids.clone()).loss
-        saved = ledger.live_device_bytes
-    if backward:
-        loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad and backward], saved
+    return plan_step(model, ids, plan, seed=0, backward=backward, grads="trainable")
 
 
 @pytest.mark.parametrize("adapters", ["attention+experts", "attention, dropout 0.1"])

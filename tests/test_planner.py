@@ -27,7 +27,7 @@ def test_algorithm_1_by_hand():
     assert s.headroom(4) == 0
     s = s.after_forward(4, 10)
     assert s.budget(5) == 100 - (92 - 25) == 33  # micro-batch 1's 25 come back
-    assert s.budgets == (18, 25, 18, 19, 10)
+    assert s.budgets == [18, 25, 18, 19, 10]
 
 
 def test_algorithm_1_rejects_impossible_inputs():
@@ -99,19 +99,19 @@ def test_algorithm_2_rejects_conflicting_candidates_and_reports_infeasible_budge
         plan_micro_batch(cm, 1100, tokens=1, strategies=("zip",))
 
 
-def test_cached_planner_serves_repeated_budgets_with_plans_that_fit():
-    from bagualu_plugin.planner import CachedPlanner
+def test_path_planner_serves_repeated_budgets_with_plans_that_fit():
+    from bagualu_plugin.planner import PathPlanner
 
     cm = _model()
-    planner = CachedPlanner(cm, budget_quantum=100, routed_quantum=1)
+    planner = PathPlanner(cm, budget_quantum=100, routed_quantum=1)
     first = planner.plan(1550, tokens=1)
-    again = planner.plan(1580, tokens=1)  # same 100-byte bucket: served from the cache
-    assert again is first and (planner.hits, planner.misses) == (1, 1)
+    again = planner.plan(1580, tokens=1)  # same 100-byte bucket: the same plan on the same path
+    assert again is first and (planner.answers, planner.paths) == (2, 1)
     assert first.activation_bytes <= 1500  # planned for the bucket's floor, so it fits both
-    planner.plan(1000, tokens=1)
-    assert planner.misses == 2
+    planner.plan(1000, tokens=1)  # further along the same path
+    assert planner.paths == 1
     with pytest.raises(ValueError, match="quanta"):
-        CachedPlanner(cm, budget_quantum=0)
+        PathPlanner(cm, budget_quantum=0)
 
 
 def test_plans_leave_each_gate_what_it_needs_at_the_heaviest_routing():

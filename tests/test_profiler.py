@@ -173,6 +173,7 @@ def test_fit_block_rejects_graphs_that_depend_on_the_input():
         fit_block(odd, routed_independent=False)
 
 
+@pytest.mark.multiprocess
 def test_cli_profile(tmp_path):
     model_dir = save_tiny("mixtral", tmp_path / "mixtral")
     out = tmp_path / "cost.json"

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from helpers import tiny_recipe
 
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
@@ -22,15 +23,9 @@ PP, RANK, M, BATCH, SEQ = 4, 0, 6, 2, 32
 
 
 def _recipe(model, capacity: int) -> Recipe:
-    dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
-    return Recipe.from_dict(
-        {
-            "hardware": {"preset": "cpu", "capacity_bytes": capacity},
-            "model": dims.model_dump(),
-            "pipeline": {"pp": PP, "rank": RANK, "micro_batches": M},
-            "batch": {"seq_len": SEQ, "micro_batch_size": BATCH},
-            "budget": {"non_activation_bytes": 0},
-        }
+    """Capacity in bytes."""
+    return tiny_recipe(
+        model, seq_len=SEQ, micro_batch_size=BATCH, capacity_bytes=capacity, pipeline={"pp": PP, "rank": RANK, "micro_batches": M},
     )
 
 
@@ -134,7 +129,7 @@ def test_stage_owns_usable_capacity_warmup_and_schedule():
     assert Stage.of(few, model_cost(model), split=False).warmup == 2
     prov = apply(model, recipe, model_cost(model))
     try:  # the Provisioner budgets and limits the simulated device with the stage's numbers
-        assert (prov.budgets.capacity, prov.budgets.warmup) == (9_000_000, 4)
+        assert (prov.decider.budgets.capacity, prov.decider.budgets.warmup) == (9_000_000, 4)
         assert prov.ledger.capacity_bytes == 9_000_000
     finally:
         prov.remove()

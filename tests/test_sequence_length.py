@@ -1,4 +1,4 @@
-"""`seq_len` where the model keeps per-sequence tensors (DESIGN.md section 4): required, and exact
+"""`seq_len` where the model keeps per-sequence tensors (docs/architecture.md): required, and exact
 against the Ledger on a real tiny model whose micro-batches hold several sequences."""
 
 import pytest

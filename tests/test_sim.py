@@ -8,6 +8,7 @@ import pytest
 
 from bagualu_plugin.cli import main
 from bagualu_plugin.config import builtin_recipes, load_recipe
+from bagualu_plugin.costmodel.plan import Plan
 from bagualu_plugin.sim import SYSTEMS, iteration_time, read_trace, routing_trace, simulate
 from bagualu_plugin.sim.run import fits
 from bagualu_plugin.sim.systems import BaGuaLu, Static, ranks
@@ -104,7 +105,7 @@ def test_memoised_costs_are_the_cost_models():
         plans = [cm.full_recompute(), {}, mixed]
         for plan in plans:
             imbalance = tuple(1.0 + 0.25 * k for k in range(len(cm.moe_layers)))
-            got = costs.under(plan).at(imbalance)
+            got = costs.under(Plan(plan)).at(imbalance)
             routed = [costs.balanced * x for x in imbalance]
             want = cm.micro_batch(s.tokens, routed, recipe.batch.seq_len, plan, s.options)
             fp = cm.footprint(s.tokens, routed, recipe.batch.seq_len, plan, s.options)
@@ -112,7 +113,7 @@ def test_memoised_costs_are_the_cost_models():
             assert got.backward_s == pytest.approx(want.backward_s, rel=1e-12)
             assert got.device_bytes == pytest.approx(want.activation_bytes, rel=1e-12)
             assert got.reload_bytes == pytest.approx(fp.reload_bytes, rel=1e-12)
-        assert any(costs.under(p).at(imbalance).reload_bytes > 0 for p in plans)
+        assert any(costs.under(Plan(p)).at(imbalance).reload_bytes > 0 for p in plans)
 
 
 def test_json_document(tmp_path):
@@ -141,6 +142,7 @@ def test_cli_simulate(tmp_path, capsys):
     assert doc["simulated"] is True and [a["level"] for a in doc["ablation"]] == ["L1", "L2", "L3", "L4"]
     assert 0 < doc["decision_s_per_iteration"] <= doc["decision_max_s_per_iteration"]
     assert 0 < doc["decision_median_s_per_iteration"] <= doc["decision_max_s_per_iteration"]
+    assert 0 < doc["decision_warm_max_s_per_iteration"] <= doc["decision_max_s_per_iteration"]
 
 
 @pytest.mark.parametrize("name", ["glm-188b-a20b", "glm-423b-a30b", "glm-1041b-a35b-12288"])
@@ -188,3 +190,15 @@ def test_recorded_routing_is_tiled_over_the_preset(tmp_path):
         simulate(recipe, 2, trace=trace)
     with pytest.raises(SystemExit, match="give one of them"):
         main(["simulate", "glm-423b-a30b", "--trace", "x.jsonl", "--seed", "1"])
+
+
+def test_the_simulated_figures_are_those_before_the_decision_core():
+    """Every system's and level's simulated figures on glm-423b-a30b (8 iterations, default seed)
+    equal what the simulator printed before its decisions moved onto the Provisioner's decider,
+    the path planner and the per-block schedule cache (recorded at commit 225d5b3): the speed work
+    changed no plan, budget or escalation."""
+    from pathlib import Path
+
+    recorded = json.loads((Path(__file__).parent / "data" / "simulate-glm-423b-a30b-8.json").read_text())
+    now = simulate(load_recipe("glm-423b-a30b"), 8, preset="glm-423b-a30b").to_json()
+    assert {k: now[k] for k in recorded} == recorded

@@ -186,6 +186,7 @@ def _launch(checkpoints, family: str, name: str, *flags: str) -> Path:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("family", "trainer", "ep", "capacity"),
     [("qwen3_moe", "sft", False, "5000000"), ("glm4_moe", "hf", True, "4200000")],

@@ -1,4 +1,4 @@
-"""HF MoE families taken apart into the operators of DESIGN.md section 4: one code path over the
+"""HF MoE families taken apart into the operators of docs/architecture.md: one code path over the
 family traits table, op-scope tracking, gate-time hooks and the registered "bagualu" experts
 implementation."""
 

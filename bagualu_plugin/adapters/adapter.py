@@ -1,5 +1,5 @@
 """One code path for every HF MoE family: find the decoder layers, their MoE blocks, routers,
-experts and shared experts, and name their operators (DESIGN.md section 4). The attribute names
+experts and shared experts, and name their operators (docs/architecture.md). The attribute names
 that differ come from the family's traits (`bagualu_plugin.families`)."""
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class Adapter:
         return [n for n in LAYER_OPS if n not in drop]
 
     def ops(self) -> list[OpId]:
-        """Every operator of the model, block by block (DESIGN.md section 4 names)."""
+        """Every operator of the model, block by block (docs/architecture.md names)."""
         ops = [OpId(-1, n) for n in EMBED_OPS]
         for layer in self.layers:
             ops += [OpId(layer.index, n) for n in self.layer_ops(layer)]
@@ -165,6 +165,6 @@ def replaying() -> Iterator[None]:
 
 def is_inside_backward() -> bool:
     """True while autograd's engine runs or a recompute region replays ahead of it (`replaying`):
-    decisions taken at the gate must not be taken again then (DESIGN.md section 5), and a module
+    decisions taken at the gate must not be taken again then (docs/architecture.md), and a module
     a region replays runs plainly."""
     return _replays > 0 or torch._C._current_graph_task_id() != -1

@@ -1,5 +1,5 @@
 """The "bagualu" experts implementation: transformers' `grouped_mm` experts forward, taken apart
-into the three operators of DESIGN.md section 4 so that each can be mitigated on its own
+into the three operators of docs/architecture.md so that each can be mitigated on its own
 (recompute, offload, FP8 per op):
 
     expert_fc1  sort the (token, expert) pairs by expert, gather their tokens, up / gate_up

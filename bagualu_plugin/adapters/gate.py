@@ -1,8 +1,8 @@
 """Gate time: the moment after an MoE router has chosen its experts and before the experts run.
 
 `GateMonitor` records there, per MoE layer, how many (token, expert) pairs each expert received
-and how many landed on this rank's experts (S, the quantity the provisioner plans with; DESIGN.md
-section 6b), and calls `on_gate` so a provisioner can escalate a layer's mitigation once the real
+and how many landed on this rank's experts (S, the quantity the provisioner plans with;
+docs/architecture.md), and calls `on_gate` so a provisioner can escalate a layer's mitigation once the real
 routing is known (deferred planning, paper section V-A).
 
 `RoutingSkew` rewrites part of the routing onto one rank's experts, deterministically, to

@@ -1,4 +1,4 @@
-"""Which operator is running now. Module hooks mark where each op of DESIGN.md section 4 begins;
+"""Which operator is running now. Module hooks mark where each op of docs/architecture.md begins;
 an op lasts until the next one begins, so glue code between modules (residual adds, the
 sigmoid scaling of Qwen2-MoE's shared expert, the loss after the LM head) belongs to the op
 before it. The "bagualu" experts implementation refines the experts into fc1 / act / fc2.
@@ -23,15 +23,22 @@ from .adapter import Adapter
 
 
 class OpTracker:
-    def __init__(self, adapter: Adapter):
+    """The op running now (`current`), set by hooks on the model's modules from `install` to
+    `remove`. While `active` is False the hooks return at once and change nothing: a runtime
+    installs them once and turns them on only for its own forwards (`PlanRuntime.forward`), so
+    evaluation, `generate` or a recompute replaying after the forward see no op scope, as if the
+    hooks were not there."""
+
+    def __init__(self, adapter: Adapter, *, active: bool = True):
         self.adapter = adapter
+        self.active = active
         self.current: OpId | None = None
         self.listeners: list[Callable[[OpId], None]] = []
         self._handles: list[RemovableHandle] = []
         self._experts: list[nn.Module] = []
 
     def enter(self, op: OpId) -> None:
-        if op != self.current:
+        if self.active and op != self.current:
             self.current = op
             for listener in self.listeners:
                 listener(op)
@@ -58,7 +65,8 @@ class OpTracker:
                 continue
             self._at(layer.router, OpId(i, "router"))
             self._at(layer.wrapped or layer.experts, OpId(i, "expert_fc1"))  # PEFT's LoRA on them is made in fc1
-            layer.experts._bagualu_scope = (self, i)
+            # every tracker installed on these experts (a profiler's beside a runtime's), as module hooks add up
+            layer.experts._bagualu_scope = (*getattr(layer.experts, "_bagualu_scope", ()), (self, i))
             self._experts.append(layer.experts)
             for shared in layer.shared:
                 self._at(shared, OpId(i, "shared_expert"))
@@ -72,7 +80,11 @@ class OpTracker:
         for handle in self._handles:
             handle.remove()
         for experts in self._experts:
-            del experts._bagualu_scope
+            scopes = tuple(scope for scope in experts._bagualu_scope if scope[0] is not self)
+            if scopes:
+                experts._bagualu_scope = scopes
+            else:
+                del experts._bagualu_scope
         self._handles.clear()
         self._experts.clear()
         self.current = None
@@ -80,7 +92,5 @@ class OpTracker:
 
 def enter_expert_op(experts: nn.Module, name: str) -> None:
     """Called by the bagualu experts implementation at expert_fc1 / expert_act / expert_fc2."""
-    scope = getattr(experts, "_bagualu_scope", None)
-    if scope is not None:
-        tracker, layer = scope
+    for tracker, layer in getattr(experts, "_bagualu_scope", ()):
         tracker.enter(OpId(layer, name))

@@ -1,7 +1,7 @@
 """Operator graphs from model dimensions, for models far too large to run here (paper §IV-A).
 
 Each block lists, operator by operator, the storages that HF transformers' modules save for
-backward (DESIGN.md section 5: RMSNorm upcasts to FP32 and keeps the upcast and its reciprocal
+backward (docs/architecture.md: RMSNorm upcasts to FP32 and keeps the upcast and its reciprocal
 norm, linears keep their input, SiLU-gating keeps both halves, the `grouped_mm` experts keep the
 gathered tokens and index vectors, sdpa keeps q, k, v, its output and log-sum-exp). Casts that are
 no-ops in FP32 share the input's storage, so an FP32 model saves fewer distinct tensors.
@@ -206,7 +206,7 @@ def _norm_op(blk: _Block, op: str, inp: str, out: str) -> None:
 def _attention(blk: _Block, inp: str) -> str:
     """attn_norm, attn_qkv, attn_core, attn_out; returns the residual stream after attention.
 
-    attn_qkv ends with the last projection, so RoPE belongs to attn_core (DESIGN.md section 4),
+    attn_qkv ends with the last projection, so RoPE belongs to attn_core (docs/architecture.md),
     which keeps the rotated q and k, a contiguous v, and either the kernel's output and
     log-sum-exp (sdpa) or the (heads x L x L) probabilities (eager). The context handed to the
     output projection is the kernel's output itself, except where q and k were re-assembled with

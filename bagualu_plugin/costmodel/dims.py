@@ -67,7 +67,7 @@ class LoraDims(_Strict):
 
 
 class ModelDims(_Strict):
-    """A decoder-only MoE transformer as HF transformers builds it (DESIGN.md section 5)."""
+    """A decoder-only MoE transformer as HF transformers builds it (docs/architecture.md)."""
 
     family: ModelType
     hidden_size: int = Field(gt=0)

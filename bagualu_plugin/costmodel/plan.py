@@ -15,6 +15,9 @@ class Plan(Mapping[OpId, str]):
 
     def __init__(self, strategies: Mapping[OpId | str, str] | None = None):
         self._map: dict[OpId, str] = {}
+        self._key: tuple[tuple[OpId, str], ...] | None = None
+        self._blocks: dict[int, tuple[tuple[str, str], ...]] | None = None
+        self._hash: int | None = None
         for key, strategy in (strategies or {}).items():
             op = key if isinstance(key, OpId) else OpId.parse(key)
             if strategy not in STRATEGIES:
@@ -33,6 +36,34 @@ class Plan(Mapping[OpId, str]):
 
     def __len__(self) -> int:
         return len(self._map)
+
+    @property
+    def key(self) -> tuple[tuple[OpId, str], ...]:
+        """The plan as a hashable value, sorted once: what caches of plans key on (a plan never
+        changes once made)."""
+        if self._key is None:
+            self._key = tuple(sorted(self._map.items()))
+        return self._key
+
+    def __hash__(self) -> int:  # a plan never changes once made, so it may key a cache
+        if self._hash is None:
+            self._hash = hash(self.key)
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return self.key == other.key if isinstance(other, Plan) else Mapping.__eq__(self, other)
+
+    def block(self, layer: int) -> tuple[tuple[str, str], ...]:
+        """(op name, strategy) of `layer`'s ops the plan names, sorted: what one block's costs
+        depend on, grouped once."""
+        if self._blocks is None:
+            grouped: dict[int, list[tuple[str, str]]] = {}
+            for op, strategy in self.key:
+                grouped.setdefault(op.layer, []).append((op.name, strategy))
+            self._blocks = {i: tuple(entries) for i, entries in grouped.items()}
+        return self._blocks.get(layer, ())
 
     def strategy(self, op: OpId) -> str:
         return self._map.get(op, "keep")

@@ -1,4 +1,4 @@
-"""Expert parallelism over a torch.distributed process group (paper §II-B; DESIGN.md section 6b).
+"""Expert parallelism over a torch.distributed process group (paper §II-B; docs/architecture.md).
 
 `expert_parallel(model, group)` shards the routed experts of every MoE layer: rank r of an
 ep-rank group keeps experts [r*E/ep, (r+1)*E/ep) of each fused expert parameter and frees the
@@ -19,8 +19,8 @@ other gradient is the rank's own.
 
 dispatch and combine keep nothing of their own for backward: they keep the router's top-k index
 (the very storage the router keeps) and sort it again in backward to rebuild the permutation,
-so under expert parallelism every saved byte still belongs to the operators of DESIGN.md
-section 4, and the experts' bytes grow with the pairs this rank received. Their collectives run
+so under expert parallelism every saved byte still belongs to the model's operators
+(docs/architecture.md), and the experts' bytes grow with the pairs this rank received. Their collectives run
 in every rank's forward and backward in the same order, never inside a recompute: the routed
 experts' recompute unit is the local computation between them (`costmodel.graph.COMM_OPS`), so
 plans may differ per rank.

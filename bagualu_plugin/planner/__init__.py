@@ -4,9 +4,10 @@ planning)."""
 
 from .budget import BudgetState
 from .gate import GateDecision, GatePlan, LayerCost, at_gate, escalated, gate_costs, plan_for_gates
-from .greedy import CachedPlanner, Decision, InfeasibleBudget, plan_micro_batch
+from .greedy import Decision, InfeasibleBudget, greedy_path, plan_micro_batch
+from .path import PathPlanner
 
 __all__ = [
-    "BudgetState", "CachedPlanner", "Decision", "GateDecision", "GatePlan", "InfeasibleBudget", "LayerCost", "at_gate", "escalated",
-    "gate_costs", "plan_for_gates", "plan_micro_batch",
+    "BudgetState", "Decision", "GateDecision", "GatePlan", "InfeasibleBudget", "LayerCost", "PathPlanner", "at_gate",
+    "escalated", "gate_costs", "greedy_path", "plan_for_gates", "plan_micro_batch",
 ]

@@ -15,18 +15,20 @@ steady forward frees the chunk `costmodel.pipeline.release_order` names.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 
-@dataclass(frozen=True)
+@dataclass
 class BudgetState:
-    """Algorithm 1 as a value: `budget(i)` before forward i, `after_forward(i, actual)` after it."""
+    """Algorithm 1's state: `budget(i)` before forward i, `record(i, actual)` after it (in place:
+    a simulation records hundreds of forwards per iteration), or `after_forward(i, actual)` for a
+    new state."""
 
     capacity: int  # M_max: device bytes activations and static memory may use together
     min_budget: int  # M0
     warmup: int  # B_w
     used: int  # M_used: static bytes plus the budgets (actuals) of live micro-batches
-    budgets: tuple[int, ...] = ()  # actual bytes of micro-batches 0..i-1
+    budgets: list[int] = field(default_factory=list)  # actual bytes of micro-batches 0..i-1
     released: tuple[int, ...] | None = None  # forward warmup + j frees released[j]; None: j (plain 1F1B)
 
     @classmethod
@@ -63,13 +65,22 @@ class BudgetState:
         later = self.warmup - i - 1
         return self.capacity - self.used - later * self.min_budget - self.budget(i)
 
-    def after_forward(self, i: int, actual: int) -> BudgetState:
+    def record(self, i: int, actual: int) -> None:
         """Replace micro-batch i's budget by what it kept (lines 7-8, 14-15)."""
         self._check(i)
-        used = self.used + actual
+        self.used += actual
         if i >= self.warmup:  # the backward before this forward released an earlier one
-            used -= self.budgets[self._freed(i)]
-        return replace(self, used=used, budgets=(*self.budgets, actual))
+            self.used -= self.budgets[self._freed(i)]
+        self.budgets.append(actual)
+
+    def after_forward(self, i: int, actual: int) -> BudgetState:
+        """A new state: this one with `record(i, actual)`."""
+        state = self.copy()
+        state.record(i, actual)
+        return state
+
+    def copy(self) -> BudgetState:
+        return BudgetState(self.capacity, self.min_budget, self.warmup, self.used, list(self.budgets), self.released)
 
     def _freed(self, i: int) -> int:
         """The micro-batch whose memory the backward before steady forward i released."""

@@ -13,9 +13,9 @@ streams, and each class's own stages still follow one another. Prefixes only eve
 order inside every class is the program order. The transfer points give the order back.
 
 Runtime solving: a scheduling point's stage lists follow from the micro-batches' plans, which
-follow from the budget and the routing, so `ScheduleCache` keys schedules by the discretised
-budget and routing bucket; budgets repeat with the pipeline phase and routing is stable in most
-iterations, so most points skip the DP.
+follow from the budget and the routing; `ScheduleCache` solves a point block by block and keeps
+each block's part, keyed by the plan entries of that block alone: budgets repeat with the
+pipeline phase and routing is stable in most iterations, so most blocks skip the DP.
 
 Pure: numbers in, numbers out.
 """
@@ -23,7 +23,7 @@ Pure: numbers in, numbers out.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -31,6 +31,7 @@ from ..costmodel import CostModel, OpId
 from ..costmodel.graph import COMM_OPS
 from ..costmodel.mitigation import Footprint, MitigationOptions, footprint
 from ..costmodel.model import Routed
+from ..costmodel.plan import Plan
 
 CLASSES = ("F", "B", "O", "R")
 
@@ -73,15 +74,6 @@ class Schedule:
     def order(self) -> list[tuple[str, int]]:
         """(class, stage) in issue order: window by window, classes in F, B, O, R order."""
         return [(CLASSES[c], s) for window in self.windows for c, (a, b) in enumerate(window) for s in range(a, b)]
-
-
-def check_pipeline(pp: int) -> None:
-    """§V-B needs four distinct micro-batches at a steady point F_x B_y: x - y > 2."""
-    if pp <= 2:
-        raise ValueError(
-            f"dual-batch execution needs a pipeline of more than 2 stages (x - y > 2 at a steady scheduling point "
-            f"F_x B_y, so that F, B, O and R belong to four micro-batches), got pp={pp}"
-        )
 
 
 def solve(stages: Stages) -> Schedule:
@@ -146,27 +138,95 @@ def brute_force(stages: Stages) -> float:
 
 
 class ScheduleCache:
-    """Schedules keyed by what determines a scheduling point's stages (§V-B "runtime solving"):
-    the discretised budgets and routing buckets, which fix the micro-batches' plans;
-    `stages(key)` builds the point's stages of a key, block by block, on a miss."""
+    """Schedules of the fused points as the executor runs them (§V-B "runtime solving"), on a rank
+    holding model `chunks` (one without interleaving), routing balanced. A point is solved one
+    block at a time (`solve_blocks`), and a block's part depends only on the four classes' plan
+    entries for the blocks they run at that position: parts are cached on exactly that, so two
+    points that differ in one block's plan solve one block again; a point seen before is one
+    lookup on its four plans. The fused executor and the simulator (`sim`) both use it."""
 
-    def __init__(self, stages: Callable[[Hashable], Sequence[Stages]]):
-        self._stages, self._schedules = stages, {}
-        self.hits = self.misses = 0
+    def __init__(self, chunks: Sequence[CostModel], options: MitigationOptions = MitigationOptions()):
+        self.chunks, self.options = tuple(chunks), options
+        self._parts: dict[Hashable, tuple[Schedule, tuple[int, ...]]] = {}
+        self._points: dict[Hashable, tuple[Schedule, int]] = {}  # whole points seen, by their plans (hashed once each), and their blocks
+        self._loads: dict[tuple, list] = {}
+        self.hits = self.misses = 0  # blocks
 
-    def get(self, key: Hashable) -> Schedule:
-        schedule = self._schedules.get(key)
-        if schedule is None:
-            self.misses += 1
-            schedule = self._schedules[key] = solve_blocks(self._stages(key))
-        else:
-            self.hits += 1
-        return schedule
+    def get(self, tokens: int, seq_len: int | None, which: Sequence[int], plans: Sequence[Plan | None]) -> tuple[Schedule, bool]:
+        """The point F_x B_y whose four classes run model chunks `which` under `plans` (x, y, x-1,
+        y+1; None for a micro-batch the point does not touch): its schedule, and whether every
+        block's part came from the cache."""
+        point = (tokens, seq_len, tuple(which), *plans)
+        seen = self._points.get(point)
+        if seen is not None:
+            self.hits += seen[1]
+            return seen[0], True
+        models = [self.chunks[c] for c in which]
+        orders = [list(m.blocks) if c in (0, 2) else list(reversed(m.blocks)) for c, m in enumerate(models)]
+        parts, hit = [], True
+        for k in range(max(map(len, orders))):
+            blocks = tuple(order[k] if k < len(order) else None for order in orders)
+            entries = tuple(plan.block(i) if plan is not None and i is not None else () for plan, i in zip(plans, blocks))
+            key = (tokens, seq_len, tuple(which), blocks, entries)
+            part = self._parts.get(key)
+            if part is None:
+                self.misses, hit = self.misses + 1, False
+                loads = [self._load(c, tokens, seq_len) for c in which]
+                stages = piece_stages([_block_stages(models, loads, entries, blocks, self.options)])[0]
+                part = self._parts[key] = (solve(stages), tuple(len(run) for run in stages))
+            else:
+                self.hits += 1
+            parts.append(part)
+        schedule = _joined(parts)
+        self._points[point] = schedule, len(parts)
+        return schedule, hit
+
+    def _load(self, chunk: int, tokens: int, seq_len: int | None) -> list:
+        key = (chunk, tokens, seq_len)
+        if key not in self._loads:
+            self._loads[key] = self.chunks[chunk].loads(tokens, None, seq_len)
+        return self._loads[key]
 
     @property
     def hit_rate(self) -> float:
         asked = self.hits + self.misses
         return self.hits / asked if asked else 0.0
+
+
+def _block_stages(
+    models: Sequence[CostModel], loads: Sequence[Sequence], entries: Sequence[tuple[tuple[str, str], ...]],
+    blocks: Sequence[int | None], options: MitigationOptions,
+) -> list[list[StageTime]]:
+    """The four classes' stages at one position of a point (`point_stages`' element): class c runs
+    block `blocks[c]` of its model (None: past its chunk's end, no stages) under its plan's
+    `entries` for that block."""
+
+    def extra(c: int, only: str) -> Footprint:
+        i = blocks[c]
+        mine = {name: s for name, s in entries[c] if s == only}
+        return footprint(models[c].blocks[i], mine, loads[c][i], models[c].hardware, options)
+
+    def ops(c: int, reverse: bool) -> list[StageTime]:
+        i, block = blocks[c], models[c].blocks[blocks[c]]
+        out = []
+        for op in (reversed(block.ops) if reverse else block.ops):
+            t = (op.backward_s if reverse else op.forward_s).at(loads[c][i])
+            out.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
+        return out
+
+    def forward() -> list[StageTime]:
+        return [StageTime(compute_s=extra(0, "fp8").forward_extra_s), *ops(0, reverse=False)]
+
+    def backward() -> list[StageTime]:
+        return [*ops(1, reverse=True), StageTime(compute_s=extra(1, "fp8").backward_extra_s)]
+
+    def offload() -> list[StageTime]:
+        return [StageTime(copy_s=extra(2, "offload").forward_extra_s)]
+
+    def recovery() -> list[StageTime]:
+        return [StageTime(copy_s=extra(3, "offload").backward_extra_s), StageTime(compute_s=extra(3, "recompute").backward_extra_s)]
+
+    return [_compact(build()) if blocks[c] is not None else [] for c, build in enumerate((forward, backward, offload, recovery))]
 
 
 def point_stages(
@@ -198,65 +258,30 @@ def point_stages(
     if len(models) != len(CLASSES):
         raise ValueError(f"give one cost model, or one per class {CLASSES}, got {len(models)}")
     loads = [model.loads(tokens, routed, seq_len) for model in models]
-
-    def extra(c: int, plan: Mapping[OpId, str], i: int, only: str) -> Footprint:
-        mine = {op.name: s for op, s in plan.items() if op.layer == i and s == only}
-        return footprint(models[c].blocks[i], mine, loads[c][i], models[c].hardware, options)
-
-    def forward_of(i: int) -> list[StageTime]:
-        stages = [StageTime(compute_s=extra(0, forward, i, "fp8").forward_extra_s)]
-        for op in models[0].blocks[i].ops:
-            t = op.forward_s.at(loads[0][i])
-            stages.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
-        return stages
-
-    def backward_of(i: int) -> list[StageTime]:
-        stages = []
-        for op in reversed(models[1].blocks[i].ops):
-            t = op.backward_s.at(loads[1][i])
-            stages.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
-        return [*stages, StageTime(compute_s=extra(1, backward, i, "fp8").backward_extra_s)]
-
-    def offload_of(i: int) -> list[StageTime]:
-        return [StageTime(copy_s=extra(2, offload, i, "offload").forward_extra_s)]
-
-    def recovery_of(i: int) -> list[StageTime]:
-        return [StageTime(copy_s=extra(3, recovery, i, "offload").backward_extra_s),
-                StageTime(compute_s=extra(3, recovery, i, "recompute").backward_extra_s)]
-
+    plans = [Plan(plan) for plan in (forward, backward, offload, recovery)]
     orders = [list(m.blocks) if c in (0, 2) else list(reversed(m.blocks)) for c, m in enumerate(models)]
-    builders = (forward_of, backward_of, offload_of, recovery_of)
-    return [
-        [_compact(build(order[k])) if k < len(order) else [] for build, order in zip(builders, orders)]
-        for k in range(max(map(len, orders)))
-    ]
-
-
-def executor_stages(chunks: Sequence[CostModel], options: MitigationOptions = MitigationOptions()) -> Callable[[Hashable], list]:
-    """`ScheduleCache`'s stages function for points as the executor runs them (`piece_stages`),
-    on a rank holding model `chunks` (one without interleaving): a key is (tokens, seq_len, the
-    chunk each of x, y, x-1 and y+1 runs, then the sorted plan items of x, y, x-1 and y+1, empty
-    for a micro-batch the point does not touch), routing balanced. The Provisioner's cache and
-    the simulator's (`sim`) both use it."""
-
-    def stages(key: Hashable) -> list:
-        tokens, seq_len, which, *plans = key
-        forward, backward, offload, recovery = (dict(plan) for plan in plans)
-        models = [chunks[c] for c in which]
-        return piece_stages(point_stages(models, forward, backward, offload, recovery, tokens, seq_len=seq_len, options=options))
-
-    return stages
+    out = []
+    for k in range(max(map(len, orders))):
+        blocks = [order[k] if k < len(order) else None for order in orders]
+        entries = [plan.block(i) if i is not None else () for plan, i in zip(plans, blocks)]
+        out.append(_block_stages(models, loads, entries, blocks, options))
+    return out
 
 
 def solve_blocks(blocks: Sequence[Stages]) -> Schedule:
     """A scheduling point solved one block at a time (`point_stages`' elements) and joined: the
     windows never cross a block boundary, which keeps each DP at a few stages per class."""
+    return _joined([(solve(stages), tuple(len(run) for run in stages)) for stages in blocks])
+
+
+def _joined(parts: Sequence[tuple[Schedule, tuple[int, ...]]]) -> Schedule:
+    """Blocks' schedules, each with its classes' stage counts, as one point's: windows shifted by
+    the stages of the blocks before."""
     total, serial, windows, offsets = 0.0, 0.0, [], [0] * len(CLASSES)
-    for stages in blocks:
-        part = solve(stages)
+    for part, sizes in parts:
         total, serial = total + part.time_s, serial + part.serial_s
         windows += [tuple((a + o, b + o) for (a, b), o in zip(w, offsets)) for w in part.windows]
-        offsets = [o + len(run) for o, run in zip(offsets, stages)]
+        offsets = [o + n for o, n in zip(offsets, sizes)]
     return Schedule(total, tuple(windows), serial)
 
 

@@ -11,11 +11,15 @@ full recompute keeps (M0, which Algorithm 1 guarantees: under expert parallelism
 offloads and casts of the largest tensors can stop above it), so where recompute is allowed
 and the greedy ends over the budget, full recompute is the plan if it fits. Pure arithmetic
 over a `CostModel`.
+
+The greedy's choices never depend on the budget, only where it stops: `greedy_path` yields its
+successive plans, `plan_micro_batch` takes the first that fits, and `PathPlanner` (planner/path.py)
+keeps the path to answer every budget from it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..costmodel.conflicts import conflicts
@@ -44,16 +48,21 @@ class Decision:
     steps: int  # candidates applied
 
 
-def plan_micro_batch(
+def greedy_path(
     cm: CostModel,
-    budget: float,
     tokens: int,
     routed: Routed = None,
     seq_len: int | None = None,
     strategies: Sequence[str] = MITIGATIONS,
     options: MitigationOptions = MitigationOptions(),
-) -> Decision:
-    """The plan Algorithm 2 chooses for a micro-batch of `tokens` that may keep `budget` bytes."""
+    memo: dict[tuple[int, frozenset[tuple[str, str]]], tuple[Footprint, bool]] | None = None,
+) -> Iterator[tuple[dict[OpId, str], Footprint, int]]:
+    """Algorithm 2's successive plans (§V-A) as (plan, footprint, steps applied), lazily: nothing
+    mitigated first, then one plan per applied candidate, until no candidate reduces the need. A
+    choice depends only on the plan so far, never on the budget, and `needed_bytes` never grows
+    along the path: a budget's plan is the first that fits it. `memo` (one per cost model, options
+    and loads, i.e. tokens, routing and sequence length) keeps each (block, block plan)'s
+    footprint across trials and steps; None evaluates every trial afresh."""
     unknown = set(strategies) - set(MITIGATIONS)
     if unknown:
         raise ValueError(f"strategies: unknown {sorted(unknown)}; expected some of {MITIGATIONS}")
@@ -66,17 +75,34 @@ def plan_micro_batch(
 
     # Only the candidate's block changes, so each trial re-evaluates one block.
     loads = cm.loads(tokens, routed, seq_len)
+
+    def block_cost(i: int, block_plan: dict[str, str]) -> tuple[Footprint, bool]:
+        key = (i, frozenset(block_plan.items()))
+        cost = None if memo is None else memo.get(key)
+        if cost is None:
+            block = cm.blocks[i]
+            cost = footprint(block, block_plan, loads[i], cm.hardware, options), holds_arguments(block, block_plan)
+            if memo is not None:
+                memo[key] = cost
+        return cost
+
     plans: dict[int, dict[str, str]] = {i: {} for i in cm.blocks}
-    parts = {i: footprint(b, {}, loads[i], cm.hardware, options) for i, b in cm.blocks.items()}
+    parts = {i: block_cost(i, {})[0] for i in cm.blocks}
     holding: set[int] = set()
 
+    arguments: dict[frozenset[int], float] = {}  # the layer arguments the holding layers keep
+
     def total(parts: dict[int, Footprint], holding: set[int]) -> Footprint:
-        return sum(parts.values(), Footprint()) + Footprint(device_bytes=cm.argument_bytes(loads, holding))
+        held = frozenset(holding)
+        if held not in arguments:
+            arguments[held] = cm.argument_bytes(loads, holding)
+        return sum(parts.values(), Footprint()) + Footprint(device_bytes=arguments[held])
 
     plan: dict[OpId, str] = {}
     current = total(parts, holding)
     steps = 0
-    while current.needed_bytes > budget:
+    yield plan, current, steps
+    while True:
         best = None
         for ops, strategy in candidates:
             if all(plan.get(op) == strategy for op in ops):
@@ -85,8 +111,9 @@ def plan_micro_batch(
                 continue  # an op in a recompute unit keeps nothing to offload or quantise
             i = ops[0].layer
             block_plan = {**plans[i], **{op.name: strategy for op in ops}}
-            trial_parts = {**parts, i: footprint(cm.blocks[i], block_plan, loads[i], cm.hardware, options)}
-            trial_holding = holding | {i} if holds_arguments(cm.blocks[i], block_plan) else holding - {i}
+            trial_cost, holds = block_cost(i, block_plan)
+            trial_parts = {**parts, i: trial_cost}
+            trial_holding = holding | {i} if holds else holding - {i}
             cost = total(trial_parts, trial_holding)
             reduction = current.needed_bytes - cost.needed_bytes
             freed = current.device_bytes - cost.device_bytes
@@ -97,7 +124,7 @@ def plan_micro_batch(
             if useful and (best is None or (reduction, freed, -added) > best[0]):
                 best = ((reduction, freed, -added), ops, strategy, block_plan, trial_parts, trial_holding, cost)
         if best is None:
-            break
+            return
         _, ops, strategy, block_plan, trial_parts, trial_holding, cost = best
         trial = {**plan, **dict.fromkeys(ops, strategy)}
         if conflicts(Plan(trial), cm):  # the applied plan has none: only conflict-free trials apply
@@ -105,61 +132,57 @@ def plan_micro_batch(
             continue
         plan, parts, holding, current, steps = trial, trial_parts, trial_holding, cost, steps + 1
         plans[ops[0].layer] = block_plan
-    if current.needed_bytes > budget and "recompute" in strategies:
-        whole = cm.full_recompute()
-        cost = cm.footprint(tokens, routed, seq_len, whole, options)
-        if cost.needed_bytes <= budget:
-            return _decision(whole, cost, steps)
-    if current.needed_bytes > budget:
-        raise InfeasibleBudget(
-            f"budget {budget:.0f} bytes is below what any plan of {', '.join(strategies)} keeps: at best "
-            f"{current.needed_bytes:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
-            "in-flight micro-batches) or allow more strategies",
-            _decision(plan, current, steps),
-        )
-    return _decision(plan, current, steps)
+        yield plan, current, steps
+
+
+def plan_micro_batch(
+    cm: CostModel,
+    budget: float,
+    tokens: int,
+    routed: Routed = None,
+    seq_len: int | None = None,
+    strategies: Sequence[str] = MITIGATIONS,
+    options: MitigationOptions = MitigationOptions(),
+) -> Decision:
+    """The plan Algorithm 2 chooses for a micro-batch of `tokens` that may keep `budget` bytes."""
+    for plan, current, steps in greedy_path(cm, tokens, routed, seq_len, strategies, options):
+        if current.needed_bytes <= budget:
+            return _decision(plan, current, steps)
+    last = _decision(plan, current, steps)
+    whole = _full_recompute(cm, tokens, routed, seq_len, strategies, options, steps)
+    if whole is not None and whole[0].needed_bytes <= budget:
+        return whole[1]
+    raise _infeasible(budget, tokens, strategies, current.needed_bytes, last)
+
+
+def _full_recompute(
+    cm: CostModel,
+    tokens: int,
+    routed: Routed,
+    seq_len: int | None,
+    strategies: Sequence[str],
+    options: MitigationOptions,
+    steps: int,
+) -> tuple[Footprint, Decision] | None:
+    """Where the greedy's path ends above the budget (§V-A): full recompute (M0, which Algorithm 1
+    guarantees) with its footprint, when recompute is allowed; None otherwise."""
+    if "recompute" not in strategies:
+        return None
+    whole = cm.full_recompute()
+    cost = cm.footprint(tokens, routed, seq_len, whole, options)
+    return cost, _decision(whole, cost, steps)
+
+
+def _infeasible(budget: float, tokens: int, strategies: Sequence[str], needed: float, best: Decision) -> InfeasibleBudget:
+    """A new `InfeasibleBudget` for `budget` (never re-raise a kept one: each raise chains the
+    raiser's frames onto its traceback)."""
+    return InfeasibleBudget(
+        f"budget {budget:.0f} bytes is below what any plan of {', '.join(strategies)} keeps: at best "
+        f"{needed:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
+        "in-flight micro-batches) or allow more strategies",
+        best,
+    )
 
 
 def _decision(plan: dict[OpId, str], cost: Footprint, steps: int) -> Decision:
     return Decision(Plan(plan), cost.device_bytes, cost.reload_bytes, cost.forward_extra_s, cost.backward_extra_s, steps)
-
-
-class CachedPlanner:
-    """Algorithm 2 behind a cache (paper §V-B's observation holds for plans too: budgets repeat
-    with the pipeline phase and routing is stable for most micro-batches). Budgets are rounded
-    down to `budget_quantum` bytes and local routed pairs to `routed_quantum` pairs, so a cached
-    plan always fits the budget it is served for and plans a slightly heavier routing."""
-
-    def __init__(
-        self,
-        cm: CostModel,
-        budget_quantum: int = 64 << 20,
-        routed_quantum: int = 256,
-        strategies: Sequence[str] = MITIGATIONS,
-        options: MitigationOptions = MitigationOptions(),
-    ):
-        if budget_quantum <= 0 or routed_quantum <= 0:
-            raise ValueError(f"quanta must be > 0, got budget {budget_quantum}, routed {routed_quantum}")
-        self.cm, self.strategies, self.options = cm, tuple(strategies), options
-        self.budget_quantum, self.routed_quantum = budget_quantum, routed_quantum
-        self._cache: dict[tuple, Decision] = {}
-        self.hits = self.misses = 0
-
-    def plan(self, budget: float, tokens: int, routed: Sequence[float] | None = None, seq_len: int | None = None) -> Decision:
-        q = self.routed_quantum
-        pairs = None if routed is None else tuple(-(-int(r) // q) * q for r in routed)  # round up
-        key = (int(budget // self.budget_quantum), tokens, seq_len, pairs)
-        decision = self._cache.get(key)
-        if decision is None:
-            self.misses += 1
-            floor = key[0] * self.budget_quantum
-            try:
-                decision = plan_micro_batch(self.cm, floor, tokens, pairs, seq_len, self.strategies, self.options)
-            except InfeasibleBudget as exc:
-                decision = exc
-            self._cache[key] = decision
-        else:
-            self.hits += 1
-        if isinstance(decision, InfeasibleBudget):
-            raise decision
-        return decision

@@ -1,6 +1,6 @@
 """The runtime mechanisms: ledger, saved-tensor hooks, recompute, provisioner.
 
-All torch state of the system lives here (DESIGN.md sections 3 and 6); the planner only sees numbers.
+All torch state of the system lives here (docs/architecture.md); the planner only sees numbers.
 """
 
 from .ledger import Ledger, Record, SimulatedOutOfMemoryError

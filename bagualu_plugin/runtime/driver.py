@@ -28,19 +28,15 @@ def run_iteration(
     provisioner: Provisioner | None = None,
     *,
     around: Callable[[Step], AbstractContextManager] | None = None,
-    dual_batch: bool | None = None,
 ) -> list[torch.Tensor]:
     """Run `schedule` (e.g. `Stage.schedule`) on `model`: a forward of micro-batch i computes the
     language-model loss of `batches[i]` (input ids, also the labels), its backward accumulates
     gradients; no optimizer step. `around(step)` is entered around each step (begin_forward and
     end_forward included). Returns every micro-batch's loss (detached), in micro-batch order.
     On an exception every graph still awaiting its backward is dropped with this call.
-    `dual_batch` (default: the provisioner's recipe `pipeline.dual_batch`): each steady forward
-    and the backward after it run fused (`runtime.dual_batch`, paper §V-B), with the same results
-    bit for bit."""
-    if dual_batch is None:
-        dual_batch = provisioner is not None and provisioner.recipe.pipeline.dual_batch
-    if dual_batch:
+    With the provisioner's recipe `pipeline.dual_batch` each steady forward and the backward after
+    it run fused (`runtime.dual_batch`, paper §V-B), with the same results bit for bit."""
+    if provisioner is not None and provisioner.recipe.pipeline.dual_batch:
         return _fused(model, batches, schedule, provisioner, around)
     awaiting: dict[int, torch.Tensor] = {}  # losses whose backward has not run yet
     losses: dict[int, torch.Tensor] = {}
@@ -71,9 +67,9 @@ def _fused(model, batches, schedule, provisioner, around) -> list[torch.Tensor]:
     """`run_iteration` through the dual-batch executor: warmup forwards and cooldown backwards
     alone, each steady F_x B_y pair as one point."""
     steps = {(s.kind, s.micro_batch): s for s in schedule}
-    executor = DualBatchExecutor(
-        StagePieces(model), provisioner, around=(lambda kind, mb: around(steps[kind, mb])) if around else None
-    )
+    executor = DualBatchExecutor.of(provisioner, lambda: StagePieces(model))
+    executor.reset()
+    executor.around = (lambda kind, mb: around(steps[kind, mb])) if around else (lambda kind, mb: nullcontext())
     losses: dict[int, torch.Tensor] = {}
     in_flight: list[int] = []
     for step, backward in fused_points(schedule):

@@ -39,9 +39,10 @@ from torch import nn
 
 from ..adapters import Adapter
 from ..costmodel.pipeline import stage_layers
-from ..planner.dual_batch import CLASSES, Schedule
+from ..costmodel.plan import Plan
+from ..planner.dual_batch import CLASSES, Schedule, ScheduleCache
 from . import pieces
-from .provisioner import Provisioner
+from .provisioner import Event, Point, Provisioner
 
 Around = Callable[[str, int], AbstractContextManager]  # (class "F" or "B", micro-batch) -> context
 
@@ -74,33 +75,15 @@ class StagePieces:
 
 @dataclass
 class _Flight:
-    """One micro-batch in flight on this rank: its pieces' detached inputs and their outputs."""
+    """One micro-batch in flight on this rank: its pieces' detached inputs and their outputs, and
+    with a Provisioner its event and the plan it runs (escalations included once its forward ended)."""
 
     labels: torch.Tensor | None
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
     shared: pieces.LayerInputs | None = None
-
-
-@dataclass(frozen=True)
-class Point:
-    """A steady scheduling point as it ran (telemetry): the order of (class, stage), the DP's
-    predicted time and the classes' serial time, whether the schedule came from the cache."""
-
-    forward: int
-    backward: int
-    recovered: int | None
-    order: list[tuple[str, int]]
-    predicted_s: float
-    serial_s: float
-    cache_hit: bool
-    solve_s: float
-
-    def to_json(self) -> dict:
-        return {
-            "backward": self.backward, "recovered": self.recovered, "order": [f"{c}{s}" for c, s in self.order],
-            "predicted_s": self.predicted_s, "serial_s": self.serial_s, "cache_hit": self.cache_hit, "solve_s": self.solve_s,
-        }
+    event: Event | None = None
+    plan: Plan | None = None
 
 
 def _issue_order(schedule: Schedule) -> list[tuple[str, int]]:
@@ -116,12 +99,27 @@ def _issue_order(schedule: Schedule) -> list[tuple[str, int]]:
 
 class DualBatchExecutor:
     """Runs a pipeline rank's forwards, backwards and fused steady points on `stage`, with
-    `provisioner` (optional: without it a point runs in program order, F then B per block)."""
+    `provisioner` (optional: without it a point runs in program order, F then B per block). It
+    keeps the micro-batches in flight and the points' schedules (the DP's, cached block by
+    block); the Provisioner budgets and plans each forward and never calls back."""
 
     def __init__(self, stage: StagePieces, provisioner: Provisioner | None = None, around: Around | None = None):
         self.stage, self.provisioner = stage, provisioner
         self.around = around or (lambda kind, mb: nullcontext())
         self._flights: dict[int, _Flight] = {}
+        self.schedules = ScheduleCache(provisioner.stage.chunks, provisioner.stage.options) if provisioner else None
+
+    @classmethod
+    def of(cls, provisioner: Provisioner, stage: Callable[[], StagePieces]) -> DualBatchExecutor:
+        """The executor an engine runs `provisioner`'s stage through, made (from `stage()`) the first
+        time: its schedules outlive an iteration, as the stage does."""
+        if provisioner.executor is None:
+            provisioner.executor = cls(stage(), provisioner)
+        return provisioner.executor
+
+    def reset(self) -> None:
+        """Drop the micro-batches in flight (an iteration that raised leaves its graphs to the caller)."""
+        self._flights.clear()
 
     # --- unfused: warmup forwards, cooldown backwards -------------------------------------------
     def forward(self, mb: int, value: torch.Tensor, labels: torch.Tensor | None = None, **engine) -> torch.Tensor:
@@ -168,9 +166,10 @@ class DualBatchExecutor:
                 self._recover(recovered, block, reload=s % 2 == 0)
         if out is None or y in self._flights and any(o is not None for o in self._flights[y].outputs):
             raise RuntimeError(f"point({x}, {y}): the schedule's blocks {blocks} do not cover the stage's pieces {self.stage.blocks}")
+        flight = self._flights[x]
         grad_in = self._end_backward(y)
-        if self.provisioner:
-            self.provisioner.record_point(x, Point(x, y, recovered, order, schedule.time_s, schedule.serial_s, hit, solve_s).to_json())
+        if flight.event is not None:
+            flight.event.point = Point(y, recovered, [f"{c}{s}" for c, s in order], schedule.time_s, schedule.serial_s, hit, solve_s)
         return out, grad_in
 
     def _agreed(self, order: list[tuple[str, int]]) -> list[tuple[str, int]]:
@@ -185,21 +184,16 @@ class DualBatchExecutor:
         return box[0]
 
     def _schedule(self, x: int, y: int, recovered: int | None) -> tuple[Schedule, bool, float]:
-        """The point's schedule: the DP's, cached in the Provisioner (keyed by the four micro-batches'
-        plans, which the discretised budgets and the routing fix), else program order."""
+        """The point's schedule: the DP's on the four micro-batches' plans (which the discretised
+        budgets and the routing fix), cached block by block, else program order."""
         n = len(self.stage.blocks)
-        if self.provisioner is None:
+        if self.schedules is None:
             windows = tuple(((k, k + 1), (k, k + 1), (k, k), (2 * k, 2 * k)) for k in range(n))
             return Schedule(0.0, windows, 0.0), False, 0.0
-        p = self.provisioner
-        plans = tuple(p.plan_of(mb) if mb is not None and mb in self._flights else None for mb in (x, y, x - 1, recovered))
-        event = p.event_of(x)
-        items = (tuple(sorted(plan.items())) if plan else () for plan in plans)
-        key = (event.tokens, event.seq_len, (0, 0, 0, 0), *items)  # chunk 0 each: the executor runs plain 1F1B
-        cache, start = p.schedules, time.perf_counter()
-        hits = cache.hits
-        schedule = cache.get(key)
-        return schedule, cache.hits > hits, time.perf_counter() - start
+        start, event = time.perf_counter(), self._flights[x].event
+        plans = [self._flights[mb].plan if mb is not None and mb in self._flights else None for mb in (x, y, x - 1, recovered)]
+        schedule, hit = self.schedules.get(event.tokens, event.seq_len, (0, 0, 0, 0), plans)  # chunk 0 each: plain 1F1B
+        return schedule, hit, time.perf_counter() - start
 
     # --- pieces --------------------------------------------------------------------------------
     def _begin(self, mb: int, value: torch.Tensor, labels: torch.Tensor | None, **engine) -> None:
@@ -207,11 +201,13 @@ class DualBatchExecutor:
             raise ValueError(f"forward of micro-batch {mb}: it is in flight already")
         if self.stage.last and labels is None:
             raise ValueError(f"forward of micro-batch {mb}: the last pipeline rank needs its labels")
+        flight = _Flight(labels, inputs=[value], outputs=[None] * len(self.stage.blocks))
         if self.provisioner:
             tokens, seq_len = (value.numel(), value.shape[-1]) if self.stage.first else (value.shape[0] * value.shape[1], value.shape[1])
             with self.around("F", mb):
-                self.provisioner.begin_forward(mb, tokens, seq_len, **engine)
-        self._flights[mb] = _Flight(labels, inputs=[value], outputs=[None] * len(self.stage.blocks))
+                flight.event = self.provisioner.begin_forward(mb, tokens, seq_len, **engine)
+            flight.plan = self.provisioner.runtime.plan
+        self._flights[mb] = flight
 
     def _forward_piece(self, mb: int, k: int) -> None:
         flight = self._flights[mb]
@@ -223,9 +219,11 @@ class DualBatchExecutor:
             flight.outputs[k] = self.stage.run(k, value, flight)
 
     def _end_forward(self, mb: int) -> torch.Tensor:
+        flight = self._flights[mb]
         if self.provisioner:
             self.provisioner.end_forward(mb)
-        out = self._flights[mb].outputs[-1]
+            flight.plan = self.provisioner.runtime.plan  # with the gates' escalations
+        out = flight.outputs[-1]
         return out.detach().requires_grad_(out.requires_grad) if not self.stage.last else out.detach()
 
     def _backward_piece(self, mb: int, k: int, grad: torch.Tensor | None) -> None:

@@ -1,6 +1,6 @@
 """The activation Ledger: live bytes of the tensors the autograd graph keeps for backward.
 
-This is the measurement the rest of the system trusts (DESIGN.md section 6): the cost model of
+This is the measurement the rest of the system trusts (docs/architecture.md): the cost model of
 paper §IV predicts it, the planner budgets against it, and the Provisioner reads it at the end of
 each forward micro-batch. So it counts storages, not tensors: views and tensors saved twice cost
 their storage once, parameters and buffers (and views of them) cost nothing here because they are
@@ -22,10 +22,12 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from operator import attrgetter, getitem
 from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module
 
 Residency = Literal["device", "host"]
 OnOverrun = Literal["raise", "record"]
@@ -37,7 +39,7 @@ class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
     """Raised when keeping one more saved storage would exceed the simulated device capacity.
 
     A subclass of the error a GPU raises, so a policy sized too small crashes on CPU exactly where
-    it would crash on a GPU (DESIGN.md section 6).
+    it would crash on a GPU (docs/architecture.md).
     """
 
     def __init__(self, *, capacity_bytes: int, static_bytes: int, live_bytes: int, requested_bytes: int,
@@ -130,6 +132,52 @@ def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int] | None:
         return None
 
 
+def _key(tensor: torch.Tensor | None) -> StorageKey | None:
+    found = None if tensor is None else _storage(tensor)
+    return None if found is None else found[0]
+
+
+_storage_of, _pointer, _device_of = torch.Tensor.untyped_storage, torch.UntypedStorage.data_ptr, attrgetter("device")
+
+
+class _Slots(NamedTuple):
+    """Where a ledger's exclusions came from, to be read back without walking the model: the
+    (owner dict, name) of every parameter and buffer with a storage, with that storage's pointer
+    and device (compared by C-level maps), and the slots with none (meta, empty, sharded DTensor
+    or None: they exclude nothing, as long as they still have none)."""
+
+    owners: tuple[dict, ...]
+    names: tuple[object, ...]
+    pointers: tuple[int, ...]
+    devices: tuple[torch.device, ...]
+    empty: tuple[tuple[dict, object], ...]
+
+    def unchanged(self) -> bool:
+        try:
+            tensors = tuple(map(getitem, self.owners, self.names))
+            if tuple(map(_device_of, tensors)) != self.devices or tuple(map(_pointer, map(_storage_of, tensors))) != self.pointers:
+                return False
+        except Exception:  # a slot gone, now None or without a storage: let the walk see what it is
+            return False
+        return all(_key(owner.get(name)) is None for owner, name in self.empty)
+
+
+_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()
+
+
+def _registered(module: nn.Module, _name: str, _value: object) -> None:
+    """torch's global hook on every parameter, buffer and submodule registered (`__setattr__`,
+    `register_*`): the ledgers whose model holds `module` walk it again."""
+    for ledger in tuple(_ledgers):
+        if module in ledger._tree:
+            ledger._stale = True
+
+
+for _register in (_module.register_module_parameter_registration_hook, _module.register_module_buffer_registration_hook,
+                  _module.register_module_module_registration_hook):
+    _register(_registered)
+
+
 class Ledger:
     """Counts the unique live storages saved for backward, per op and per micro-batch.
 
@@ -167,11 +215,14 @@ class Ledger:
         self.current_op = current_op
         self.source = source
         self.micro_batch: int | None = None
-        self._exclude = tuple(exclude)
+        self._exclude = dict(enumerate(exclude))  # slots, as a module's parameters are
         self._model = model  # its parameters and buffers are looked up again at every refresh
         self._gathered: dict[nn.Module, frozenset[StorageKey]] = {}  # FSDP2 modules' unsharded parameters
         self._watched: set[nn.Module] = set()
         self._device = None if device is None else torch.device(device)
+        self._tree: frozenset[nn.Module] = frozenset()  # the model's modules at the last walk
+        self._stale = True
+        _ledgers.add(self)
         self.refresh()
         self._live: dict[StorageKey, _Live] = {}
         self._in_flight: deque[tuple[int, object]] = deque()  # (bytes, event) of copies out, oldest first
@@ -188,30 +239,60 @@ class Ledger:
         return cls(model=model, **kw)
 
     def refresh(self) -> None:
-        """Look at the parameters again: they get new storages (and maybe a device) when the model
-        moves after the ledger was made (`.cuda()`, `.to(dtype)`, DDP's `prepare`), or new objects
+        """Walk the model again: its parameters get new storages (and maybe a device) when it moves
+        after the ledger was made (`.cuda()`, `.to(dtype)`, DDP's `prepare`), or new objects
         (FSDP2's `fully_shard` replaces them with sharded ones). An FSDP2 module's whole parameters
         exist from its forward pre-hook, which gathers them, until its forward ends: they are
-        excluded for that time (`_watch_fsdp`)."""
-        self._excluded = self._exclusion_keys()
-        self.device = self._device if self._device is not None else model_device(self._static())
-        self._watch_fsdp()
+        excluded for that time (`_watch_fsdp`). `refresh_if_changed` calls it when needed."""
+        self._stale = False  # first: a registration during the walk makes the next check walk again
+        modules = () if self._model is None else tuple(self._model.modules())
+        self._tree = frozenset(modules)
+        slots = [(m._parameters, name) for m in modules for name in m._parameters]
+        slots += [(m._buffers, name) for m in modules for name in m._buffers]
+        slots += [(self._exclude, i) for i in range(len(self._exclude))]
+        keyed, empty = [], []
+        for owner, name in slots:
+            key = _key(owner[name])
+            if key is None:
+                empty.append((owner, name))
+            else:
+                keyed.append((owner, name, key))
+        owners, names, keys = zip(*keyed) if keyed else ((), (), ())
+        self._slots = _Slots(owners, names, tuple(p for _, p in keys), tuple(d for d, _ in keys), tuple(empty))
+        self._excluded = frozenset(keys)
+        static = [tensor for owner, name in slots if (tensor := owner[name]) is not None]
+        self.device = self._device if self._device is not None else model_device(static)
+        self._watch_fsdp(modules)
 
-    def _static(self) -> list[torch.Tensor]:
-        model = [] if self._model is None else [*self._model.parameters(), *self._model.buffers()]
-        return [*model, *self._exclude]
+    def refresh_if_changed(self) -> bool:
+        """`refresh()` if a parameter or buffer may have changed since the last walk; whether it
+        walked. Every change to the model's static storages is one of: a parameter, buffer or
+        module registered on one of its modules (assignment, `register_*`, PEFT injecting
+        adapters, `load_state_dict(assign=True)`), which torch's global registration hooks report
+        (`_registered`); or a value replaced under an existing name or a storage swapped in place,
+        which bypass those hooks (`nn.Module._apply` behind `.to()` / `.cuda()` swaps `param.data`
+        or, under `torch.__future__`'s overwrite or swap flags, the parameter, and always writes
+        buffers straight into `_buffers`; FSDP2 and accelerate write `_parameters` directly), which
+        re-reading the storage pointer and device of every remembered slot reveals (`_Slots`: no
+        module walk, C-level maps). Equal pointers and devices in every slot are equal storage
+        keys, so the exclusions and the device are what a walk would find. Only writing a new
+        name straight into a module's `_parameters` / `_buffers` dict goes unseen: call `refresh`
+        after that."""
+        if self._stale or not self._slots.unchanged():
+            self.refresh()
+            return True
+        return False
 
-    def _watch_fsdp(self) -> None:
+    def _watch_fsdp(self, modules: Iterable[nn.Module]) -> None:
         """Hooks after FSDP2's own on every module `fully_shard` made, registered once: its
         parameters' storages are excluded while gathered (FSDP2's pre-forward hook, registered
-        first, has gathered them), also when a recompute runs the module again in backward."""
-        if self._model is None:
-            return
+        first, has gathered them), also when a recompute runs the module again in backward.
+        `fully_shard` replaces the parameters it manages, so `refresh_if_changed` walks after it."""
         try:
             from torch.distributed.fsdp import FSDPModule
         except ImportError:  # a torch without FSDP2
             return
-        for module in self._model.modules():
+        for module in modules:
             if isinstance(module, FSDPModule) and module not in self._watched:
                 self._watched.add(module)
                 _watch(self, module)
@@ -224,7 +305,7 @@ class Ledger:
 
         Innermost hooks win: inside offload/fp8/checkpoint hooks those record for themselves.
         """
-        self.refresh()
+        self.refresh_if_changed()
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield self
 
@@ -432,14 +513,11 @@ class Ledger:
                     out[group] = out.get(group, 0) + record.nbytes
         return out
 
-    def _exclusion_keys(self) -> frozenset[StorageKey]:
-        return frozenset(found[0] for t in self._static() if (found := _storage(t)) is not None)
-
     def _cuda_device(self, what: str) -> torch.device:
         if self.device.type != "cuda":
             raise RuntimeError(
                 f"Ledger.{what}() reads the CUDA caching allocator, which is only read on CUDA; this "
-                f"ledger is on {self.device}: use live_device_bytes/peak_device_bytes, the simulated "
-                "device memory of DESIGN.md section 6"
+                f"ledger is on {self.device}: use live_device_bytes/peak_device_bytes, which count the "
+                "simulated device memory on CPU"
             )
         return self.device

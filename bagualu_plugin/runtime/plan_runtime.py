@@ -1,5 +1,5 @@
 """`PlanRuntime` and `apply_plan`: the per-operator mitigation of saved activations installed on a
-model (paper §IV-B, §V-A; DESIGN.md section 4).
+model (paper §IV-B, §V-A; docs/architecture.md).
 
 - keep: the Ledger's pack (a detached alias, counted on the device);
 - offload / fp8: the saved storage kept in another form (`runtime.storage`) by the plan's
@@ -56,7 +56,7 @@ class PlanRuntime:
         self.adapter = Adapter(model)
         require_plain_weights(self.adapter.config)
         self.options = options
-        self.tracker = OpTracker(self.adapter)
+        self.tracker = OpTracker(self.adapter, active=False)  # on inside forward() only
         self.ledger = ledger or Ledger.for_model(
             self.adapter.model,
             capacity_bytes=capacity_bytes,
@@ -116,8 +116,22 @@ class PlanRuntime:
             if part.experts is not None:
                 setattr(part.experts, RUNNER_ATTR, self._runner(part.index))
                 stack.callback(delattr, part.experts, RUNNER_ATTR)
+        # the op scopes and the plan's module hooks, once: they do nothing outside forward()
+        self.tracker.install()
+        stack.callback(self.tracker.remove)
+        stack.callback(a.model.register_forward_pre_hook(self._new_forward).remove)
+        for part in a.layers:
+            stack.callback(part.module.register_forward_pre_hook(self._layer_inputs, with_kwargs=True).remove)
         self._stack = stack
         return self
+
+    def _new_forward(self, *_) -> None:
+        if self._forwarding:
+            self.hooks.new_forward()
+
+    def _layer_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._forwarding:
+            self.hooks.layer_inputs(module, args, kwargs)
 
     def _wrap(self, module: nn.Module, layer: int, unit: tuple[str, ...], stack: ExitStack) -> None:
         """Route `module`'s forward through a checkpoint while its unit or span is a recompute
@@ -189,34 +203,37 @@ class PlanRuntime:
     @contextmanager
     def forward(self) -> Iterator[Ledger]:
         """The plan for the training forward passes inside the block: the "bagualu" experts, no KV
-        cache (recomputation would update it again) and the saved-tensor hooks. Outside it the
-        model runs as it would without the plugin (evaluation, `generate` with its KV cache and
-        transformers' own choice of experts kernel for decoding)."""
+        cache (recomputation would update it again), the op scopes and the saved-tensor hooks.
+        Outside it the model runs as it would without the plugin (evaluation, `generate` with its
+        KV cache and transformers' own choice of experts kernel for decoding): the hooks `install`
+        put on its modules return at once there. A recompute replaying after the block sees no op
+        scope, as none is needed: a span replays its forward's decisions (`SpanSaves`), saves go
+        to the replay, and nested regions run plainly (`is_inside_backward`). One replaying inside
+        another micro-batch's block (`recover`, the dual-batch executor) runs the scopes, and its
+        caller puts the forward's op back."""
         if self._forwarding:
             raise ValueError("PlanRuntime.forward(): a forward is running already (the block does not nest)")
-        self.ledger.refresh()  # the model may have moved since (`.cuda()` after the runtime was built)
+        if self._stack is None:
+            raise ValueError("PlanRuntime.forward(): call install() first (it puts the op scopes on the model)")
+        self.ledger.refresh_if_changed()  # the model may have moved since (`.cuda()` after the runtime was built)
         self.hooks.new_forward()  # also where no model forward runs (a pipeline stage runs its modules)
-        a = self.adapter
-        with ExitStack() as stack:  # the op scopes and hooks live only here: outside, modules run hook-free
+        with ExitStack() as stack:
             stack.enter_context(self._flag())
-            stack.enter_context(bagualu_experts(a.config))
-            self.tracker.install()
-            stack.callback(self.tracker.remove)
-            stack.callback(a.model.register_forward_pre_hook(self.hooks.new_forward).remove)
-            for part in a.layers:
-                stack.callback(part.module.register_forward_pre_hook(self.hooks.layer_inputs, with_kwargs=True).remove)
+            stack.enter_context(bagualu_experts(self.adapter.config))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack))
             yield self.ledger
 
     @contextmanager
     def _flag(self) -> Iterator[None]:
-        """Inside: a training forward with no KV cache (recomputation would update it again)."""
+        """Inside: a training forward with no KV cache (recomputation would update it again), its
+        op scopes on; they start from none, and end with none."""
         config, cache = self.adapter.config, self.adapter.config.use_cache
-        config.use_cache, self._forwarding = False, True
+        config.use_cache, self._forwarding, self.tracker.active, self.tracker.current = False, True, True, None
         try:
             yield
         finally:
-            config.use_cache, self._forwarding = cache, False
+            config.use_cache, self._forwarding, self.tracker.active = cache, False, False
+            self.tracker.current = None
 
     def remove(self) -> None:
         if self._stack is not None:
@@ -233,7 +250,7 @@ def apply_plan(
     options: MitigationOptions = MitigationOptions(),
 ) -> Iterator[Ledger]:
     """Install `plan` for the forward passes inside the block and yield the Ledger that counts
-    what they save (DESIGN.md section 4). Backward may run inside or after the block. On exit
+    what they save (docs/architecture.md). Backward may run inside or after the block. On exit
     every hook, wrapper and setting is removed, also when the body raises."""
     runtime = PlanRuntime(model, ledger=ledger, options=options)
     runtime.set_plan(plan)  # validated before anything is installed

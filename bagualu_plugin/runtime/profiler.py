@@ -165,7 +165,7 @@ def profile(
     seed: int = 0,
     progress: bool = False,
 ) -> CostModel:
-    """Measure `model` and return the `CostModel` that predicts it (DESIGN.md section 4).
+    """Measure `model` and return the `CostModel` that predicts it (docs/architecture.md).
 
     Each token count T runs as 1, 2 and 4 sequences of T, T/2, T/4 tokens, so the per-sequence
     terms (attention scores, shared tables, single-sequence views) separate from the per-token

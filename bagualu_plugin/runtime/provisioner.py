@@ -31,10 +31,8 @@ from ..adapters.costs import model_cost
 from ..adapters.gate import GateMonitor
 from ..config import Batch, Recipe
 from ..costmodel import CostModel
-from ..costmodel.plan import Plan
 from ..derive import derive_recipe
-from ..planner import CachedPlanner, GatePlan, LayerCost, escalated, gate_costs, plan_for_gates
-from ..planner.dual_batch import ScheduleCache, executor_stages
+from ..planner.decider import Decider, Deferral, Escalation, Forward
 from ..stage import Stage, mitigation_options
 from .boundaries import Boundaries, ForwardKind
 from .ledger import Ledger
@@ -46,22 +44,19 @@ INSTALLED_ATTR = "_bagualu_provisioner"  # on the HF model while a Provisioner i
 
 
 @dataclass(frozen=True)
-class Deferral:
-    """A gate whose overrun the later warmup micro-batches' budgets absorb."""
+class Point:
+    """A fused steady scheduling point F_x B_y as it ran (paper §V-B, `runtime.dual_batch`): y, the
+    micro-batch recovered ahead (None: none), the order of (class, stage) issued, the DP's
+    predicted time and the classes' serial time, whether every block's schedule came from the
+    cache, and the seconds finding it took."""
 
-    layer: int
-    local_pairs: int
-    overrun: float
-
-
-@dataclass(frozen=True)
-class Escalation:
-    """A gate whose layer's routed experts are recomputed; `slack_after` is what is left then."""
-
-    layer: int
-    local_pairs: int
-    overrun: float
-    slack_after: float
+    backward: int
+    recovered: int | None
+    order: list[str]
+    predicted_s: float
+    serial_s: float
+    cache_hit: bool
+    solve_s: float
 
 
 @dataclass
@@ -83,7 +78,7 @@ class Event:
     actual: int | None = None  # set by end_forward
     peak_device_bytes: int | None = None  # static bytes plus the ledger's peak, at end_forward
     live_after_backward: int | None = None  # set by end_backward
-    point: dict | None = None  # the fused scheduling point it began (runtime.dual_batch), if any
+    point: Point | None = None  # the fused scheduling point it began (runtime.dual_batch), if any
     routed: dict[int, int] = field(default_factory=dict)  # local routed pairs at each MoE layer's gate
     balanced_pairs: float = 0.0  # what balanced routing brings each MoE layer: `routed` / this is its imbalance
     kind: dict = field(default_factory=dict)  # how its forward ran (`runtime.boundaries.ForwardKind`)
@@ -98,9 +93,7 @@ class _Forward:
     (as nanotron keeps one batch's buffers in its `PipelineTrainBatchState`)."""
 
     event: Event
-    gates: GatePlan  # what each MoE layer's gate weighs
-    slack: float  # bytes it may still add under its budget
-    headroom: float  # bytes later warmup micro-batches can still give up
+    decided: Forward  # its budget, plan and gates (`planner.decider`)
     hooks: ExitStack  # the plan's hooks and the gate monitor, entered
 
 
@@ -141,7 +134,6 @@ class Provisioner:
         """`model` is this pipeline rank's stage; `cost` its cost model (default: the analytic one
         of the model's config). With `pipeline.pp` 1 the micro-batches' boundaries are found on
         the model (`runtime.boundaries`): no engine needs to call begin_forward and the rest."""
-        self.recipe = recipe
         adapter = Adapter(model)
         if getattr(adapter.model, INSTALLED_ATTR, None) is not None:
             raise ValueError("bgl.apply: this model has a Provisioner installed already; call .remove() on it first")
@@ -161,14 +153,14 @@ class Provisioner:
         plain = ForwardKind()
         self._costs = {plain: cost or model_cost(model, recipe.hardware)}
         self._given_cost = cost is not None
-        self._planners: dict[ForwardKind, CachedPlanner | None] = {plain: None}  # made by _set_stage
-        self._set_stage(Stage.of(recipe, self._costs[plain], split=False, static_bytes=self.static.measure() if measured else None))
+        static = self.static.measure() if measured else None
+        self.decider = Decider(Stage.of(recipe, self._costs[plain], split=False, static_bytes=static), {plain: self._costs[plain]})
         stage = self.stage
-        self.budgets = self._first
+        self.ledger.static_bytes = stage.static_bytes
         # the schedule's phase of each forward: 1F1B's steady phase starts one forward before
         # Algorithm 1's does (that forward also runs before any backward, so it is budgeted as warmup)
         self.phases = {s.micro_batch: s.phase for s in stage.schedule if s.kind == "F"}
-        self.schedules = ScheduleCache(executor_stages(stage.chunks, stage.options))  # fused points' orders (runtime.dual_batch)
+        self.executor = None  # the fused executor engines run this stage through (`runtime.dual_batch`), made on first use
         self.runtime.install()
         self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate)  # installed while a forward runs
         self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
@@ -177,9 +169,7 @@ class Provisioner:
         self.events: deque[Event] = deque(maxlen=EVENTS_KEPT)
         self.forwards, self.planner_s = 0, 0.0
         self._awaiting_backward: dict[int, Event] = {}
-        self._plans: dict[int, Plan] = {}  # the plan each awaiting micro-batch ran, escalations included
         self._forward: _Forward | None = None
-        self._layer_costs: dict[tuple, dict[int, LayerCost]] = {}
         self._shapes: set[tuple[int, int, ForwardKind]] = set()  # (tokens, seq_len, kind) of the micro-batches seen
         self._peak = 0  # peak_device_bytes before the static bytes last changed
         setattr(adapter.model, INSTALLED_ATTR, self)
@@ -187,23 +177,17 @@ class Provisioner:
         if self.static is not None:
             self.static.watch(self._rebase)
 
-    def _set_stage(self, stage: Stage) -> None:
-        """Plan for `stage` from now on: its Algorithm 1 (which checks that M0 fits) and planners
-        whose cache buckets are 1/16 of its M0 and of its balanced routing."""
-        first = stage.budgets()
-        self.stage, self.recipe, self._first = stage, stage.recipe, first
-        self.ledger.static_bytes = stage.static_bytes
-        self._planners = {kind: self._planner(kind) for kind in self._planners}
+    @property
+    def stage(self) -> Stage:
+        return self.decider.stage
 
-    def _planner(self, kind: ForwardKind) -> CachedPlanner:
-        stage = self.stage
-        return CachedPlanner(
-            self._cost(kind),
-            budget_quantum=max(1, stage.min_budget // 16),
-            routed_quantum=max(1, int(stage.tokens * stage.cost.pairs_per_token) // 16),
-            strategies=self.recipe.strategies.allowed,
-            options=stage.options,
-        )
+    @property
+    def recipe(self) -> Recipe:
+        return self.decider.stage.recipe
+
+    def _set_stage(self, stage: Stage) -> None:
+        self.decider.set_stage(stage)
+        self.ledger.static_bytes = stage.static_bytes
 
     def _cost(self, kind: ForwardKind) -> CostModel:
         """The cost model of micro-batches of `kind`."""
@@ -235,7 +219,6 @@ class Provisioner:
             raise ValueError(
                 f"the weights, gradients and optimizer state now take {static} bytes on the device (were {before}): {error}"
             ) from None
-        self.budgets = replace(self.budgets, used=self.budgets.used + static - before)
 
     def _grow(self, mb: int, tokens: int, seq_len: int, kind: ForwardKind) -> None:
         """A micro-batch larger than any before (or of a kind none was): M0 at its shape and kind,
@@ -243,8 +226,8 @@ class Provisioner:
         self._shapes.add((tokens, seq_len, kind))
         stage = self.stage
         batch = Batch(seq_len=seq_len, micro_batch_size=-(-tokens // seq_len))
-        if kind not in self._planners:
-            self._planners[kind] = self._planner(kind)
+        if kind not in self.decider.costs:
+            self.decider.add(kind, self._cost(kind))
         elif tokens <= stage.tokens and seq_len <= stage.recipe.batch.seq_len:
             return
         try:
@@ -252,7 +235,6 @@ class Provisioner:
             grown = Stage.of(recipe, self._cost(kind), split=False, static_bytes=stage.static_bytes)
             if grown.min_budget > stage.min_budget:
                 self._set_stage(replace(grown, cost=stage.cost, chunks=stage.chunks))
-                self.budgets = replace(self.budgets, min_budget=grown.min_budget)
         except ValueError as error:
             raise ValueError(
                 f"micro-batch {mb} of {tokens} tokens ({batch.micro_batch_size} x {seq_len}) cannot fit: {error}"
@@ -271,12 +253,13 @@ class Provisioner:
     def begin_forward(
         self, mb: int, tokens: int, seq_len: int, *, kind: ForwardKind = ForwardKind(), phase: str | None = None,
         in_flight: int | None = None,
-    ) -> None:
+    ) -> Event:
         """Budget and plan micro-batch `mb` of `tokens` tokens, its forward of `kind`, for the normal
         routing band; its saved tensors go through the plan until `end_forward`. An engine that knows the schedule
         passes `phase` ("warmup" or "steady") and `in_flight` (micro-batches awaiting backward,
         nanotron's `len(state.microbatches_activations_requiring_backward)`): they are checked
-        against Algorithm 1's state, whose budgets are wrong if the two disagree."""
+        against Algorithm 1's state, whose budgets are wrong if the two disagree. Returns the
+        micro-batch's event, which its forward and backward complete."""
         start = time.perf_counter()
         if self._forward is not None:
             raise ValueError(f"begin_forward({mb}): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
@@ -288,8 +271,7 @@ class Provisioner:
                 )
             if self.static is not None and self.ledger.device.type == "cuda":
                 self._rebase()
-            left = self.ledger.live_device_bytes  # graphs kept from before (an abandoned forward's): no budget's to give
-            self.budgets = replace(self._first, used=self._first.used + left) if left else self._first
+            self.decider.start_iteration(self.ledger.live_device_bytes)  # graphs kept from before (an abandoned forward's)
         if (tokens, seq_len, kind) not in self._shapes:
             self._grow(mb, tokens, seq_len, kind)
         pipe = self.recipe.pipeline
@@ -301,20 +283,11 @@ class Provisioner:
                     f"pp {pipe.pp} running 1F1B expects {wanted!r}: check the recipe's pipeline section against "
                     "the engine, and that end_backward is called"
                 )
-        budget = self.budgets.budget(mb)
         # plan for the common case (97.1% of iterations stay under normal_max_imbalance, §II-B),
         # leaving each gate what it needs to catch routing up to spike_max_imbalance
-        pairs = tokens * self.stage.cost.pairs_per_token
-        spikes = self.recipe.spikes
-        planned = pairs * spikes.normal_max_imbalance
-        routed = [planned] * len(self.stage.cost.moe_layers)
-        planner = self._planners[kind]
-        gates = plan_for_gates(
-            lambda b: planner.plan(b, tokens, routed, seq_len), lambda plan: self._gate_costs(plan, tokens, seq_len, planned, kind),
-            budget, planned, pairs * spikes.spike_max_imbalance,
-        )
-        decision = gates.decision
-        if gates.slack < 0:
+        decided = self.decider.begin(mb, tokens, seq_len, kind)
+        decision, budget = decided.gates.decision, decided.budget
+        if decided.slack < 0:
             warnings.warn(
                 f"micro-batch {mb}: its budget of {budget} bytes is below what any plan keeps at the normal band's routing "
                 f"({decision.activation_bytes + decision.reload_bytes:.0f} bytes): it runs the most mitigated plan, which "
@@ -322,36 +295,26 @@ class Provisioner:
                 RuntimeWarning, stacklevel=2,
             )
         self.runtime.set_plan(decision.plan)
-        plan = {str(op): s for op, s in sorted(decision.plan.items())}
-        event = Event(mb, scheduled, budget, decision.activation_bytes, plan, [], [], tokens, seq_len, decision.reload_bytes)
-        event.balanced_pairs, event.kind = pairs, kind._asdict()
+        plan = {str(op): s for op, s in decision.plan.key}
+        event = Event(
+            mb, scheduled, budget, decision.activation_bytes, plan, decided.escalations, decided.deferred, tokens, seq_len,
+            decision.reload_bytes, routed=decided.routed, balanced_pairs=decided.balanced, kind=kind._asdict(),
+        )
         self.ledger.micro_batch = mb
         hooks = ExitStack()
         hooks.enter_context(self.runtime.forward())
         hooks.enter_context(self.gate)
-        self._forward = _Forward(event, gates, gates.slack, self.budgets.headroom(mb), hooks)
+        self._forward = _Forward(event, decided, hooks)
         event.planner_s = time.perf_counter() - start
-
-    def _gate_costs(self, plan: Plan, tokens: int, seq_len: int, planned: float, kind: ForwardKind) -> dict[int, LayerCost]:
-        key = (tuple(sorted(plan.items())), tokens, seq_len, kind)
-        if key not in self._layer_costs:  # as few as the planner's cached decisions
-            self._layer_costs[key] = gate_costs(self._cost(kind), plan, tokens, seq_len, planned, self.stage.options)
-        return self._layer_costs[key]
+        return event
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
         """Deferred planning: the experts of `layer` have not run yet (`planner.at_gate`)."""
         f = self._forward
-        if f is None or layer not in f.gates.costs:
+        if f is None or layer not in f.decided.gates.costs:
             return
-        pairs = int(local_pairs)  # one host sync per MoE layer
-        f.event.routed[layer] = pairs
-        decision = f.gates.at_gate(layer, pairs, f.slack, f.headroom)
-        f.slack, f.headroom = decision.slack, decision.headroom
-        if decision.action == "defer":
-            f.event.deferred.append(Deferral(layer, pairs, decision.overrun))
-        elif decision.action == "escalate":
-            self.runtime.set_plan(escalated(self.runtime.plan, layer))
-            f.event.escalations.append(Escalation(layer, pairs, decision.overrun, decision.slack))
+        if self.decider.at_gate(f.decided, layer, int(local_pairs)).action == "escalate":  # one host sync per MoE layer
+            self.runtime.set_plan(f.decided.plan)
 
     def end_forward(self, mb: int) -> int:
         """The bytes micro-batch `mb` really keeps; its budget becomes that, with the room its
@@ -363,32 +326,14 @@ class Provisioner:
         f.hooks.close()
         self._forward = None
         actual = self.ledger.by_micro_batch().get(mb, 0)
-        self.budgets = self.budgets.after_forward(mb, actual + round(f.event.reload_bytes))
+        self.decider.end(f.decided, actual + round(f.event.reload_bytes))
         f.event.actual = actual
         f.event.peak_device_bytes = self.peak_device_bytes
         self.events.append(f.event)
         self.forwards += 1
         self.planner_s += f.event.planner_s
         self._awaiting_backward[mb] = f.event
-        self._plans[mb] = self.runtime.plan
         return actual
-
-    def event_of(self, mb: int) -> Event:
-        """The event of micro-batch `mb`, whose forward runs or awaits its backward."""
-        if self._forward is not None and self._forward.event.micro_batch == mb:
-            return self._forward.event
-        if mb not in self._awaiting_backward:
-            raise ValueError(f"micro-batch {mb} has no forward running or awaiting its backward")
-        return self._awaiting_backward[mb]
-
-    def plan_of(self, mb: int) -> Plan:
-        """The plan micro-batch `mb` runs (its forward is running) or ran (it awaits its backward)."""
-        self.event_of(mb)
-        return self._plans.get(mb, self.runtime.plan)
-
-    def record_point(self, mb: int, point: dict) -> None:
-        """The fused scheduling point that began with micro-batch `mb`'s forward, for its event."""
-        self.event_of(mb).point = point
 
     def end_backward(self, mb: int) -> int:
         """Micro-batch `mb`'s activations are released; returns what the stage still keeps (the
@@ -396,7 +341,6 @@ class Provisioner:
         complete and written to the telemetry file."""
         live = self.ledger.live_device_bytes
         event = self._awaiting_backward.pop(mb, None)
-        self._plans.pop(mb, None)
         if event is None:
             raise ValueError(f"end_backward({mb}): micro-batch {mb} has no finished forward awaiting its backward")
         event.live_after_backward = live
@@ -429,7 +373,6 @@ class Provisioner:
             self.events.extend(kept)
             self.forwards -= len(dropped)
         self._awaiting_backward.clear()
-        self._plans.clear()
 
     def remove(self) -> None:
         """Uninstall everything; the events stay readable."""

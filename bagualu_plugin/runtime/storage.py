@@ -1,4 +1,4 @@
-"""Storage forms of a saved tensor kept off the device as it is (paper §IV-B, DESIGN.md section 3):
+"""Storage forms of a saved tensor kept off the device as it is (paper §IV-B, docs/architecture.md):
 a host copy in a reused host buffer (`HostPool`: pinned, copied on a side stream on CUDA; plain
 memory and synchronous on CPU) or a blockwise-quantised payload (`bagualu_plugin.kernels`). Each
 form holds a whole storage, so every saver of it shares one copy; a `SavedView` rebuilds a saver's

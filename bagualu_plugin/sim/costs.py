@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..costmodel import Footprint, OpId, footprint
 from ..costmodel.model import holds_arguments
+from ..costmodel.plan import Plan
 from ..stage import Stage
 
 
@@ -43,11 +44,10 @@ class StageCosts:
         self._plans: dict[tuple, PlanCosts] = {}
         self._blocks: dict[tuple, tuple[float, float, Footprint]] = {}
 
-    def under(self, plan: Mapping[OpId, str]) -> PlanCosts:
-        key = tuple(sorted(plan.items()))
-        costs = self._plans.get(key)
+    def under(self, plan: Plan) -> PlanCosts:
+        costs = self._plans.get(plan.key)
         if costs is None:
-            costs = self._plans[key] = PlanCosts(self, plan)
+            costs = self._plans[plan.key] = PlanCosts(self, plan)
         return costs
 
     def block(self, i: int, plan: tuple[tuple[str, str], ...], imbalance: float | None, load) -> tuple[float, float, Footprint]:

@@ -60,12 +60,15 @@ class Simulation:
     decision_s: float  # BaGuaLu's decisions per iteration, the slowest rank's, mean over the run
     decision_median_s: float  # its median: an iteration once the plan and schedule caches are warm
     decision_max_s: float
+    decision_warm_max_s: float  # the slowest iteration after the first, whose caches start cold
+    decision_first_s: float
 
     def to_json(self) -> dict:
         return {"preset": self.preset, "simulated": True, "iterations": self.iterations, "seed": self.seed,
                 "systems": [asdict(o) for o in self.outcomes], "ablation": [asdict(a) for a in self.ablation],
                 "decision_s_per_iteration": self.decision_s, "decision_median_s_per_iteration": self.decision_median_s,
-                "decision_max_s_per_iteration": self.decision_max_s}
+                "decision_max_s_per_iteration": self.decision_max_s, "decision_warm_max_s_per_iteration": self.decision_warm_max_s,
+                "decision_first_s_per_iteration": self.decision_first_s}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -155,4 +158,7 @@ def simulate(recipe: Recipe, iterations: int = 100, seed: int | None = None, pre
         previous = rate
     decisions = every[0].decision_s  # bagualu's
     seed = recipe.spikes.seed if seed is None else seed
-    return Simulation(preset, iterations, seed, outcomes, levels, statistics.mean(decisions), statistics.median(decisions), max(decisions))
+    return Simulation(
+        preset, iterations, seed, outcomes, levels, statistics.mean(decisions), statistics.median(decisions), max(decisions),
+        max(decisions[1:], default=decisions[0]), decisions[0],
+    )

@@ -1,9 +1,9 @@
 """The systems a simulation compares (paper §VI-A, §II-B), each a way to choose every micro-batch's
 plan on every pipeline rank; `iteration(it)` gives each rank's micro-batch costs under the trace.
 
-- `bagualu`: BaGuaLu-2 as the Provisioner runs it (§V): per micro-batch Algorithm 1 budgets
-  (`planner.BudgetState`), Algorithm 2 plans for the normal routing band (`planner.CachedPlanner`),
-  deferred planning at each MoE gate (`planner.at_gate`, `gate_costs`, `escalated`), and each
+- `bagualu`: BaGuaLu-2 as the Provisioner runs it (§V), through the same `planner.decider.Decider`:
+  per micro-batch Algorithm 1 budgets, Algorithm 2 plans for the normal routing band, deferred
+  planning at each MoE gate, and each
   steady F_x B_y point fused as §V-B's DP orders it (`planner.dual_batch`: its forward and backward
   take fused / serial of their serial time).
 - Static baselines, planned once per stage at the even share of what static memory leaves to the
@@ -24,20 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..config import Recipe
-from ..costmodel import OpId
 from ..costmodel.pipeline import Step, fused_points
 from ..costmodel.plan import Plan
-from ..planner import (
-    BudgetState,
-    CachedPlanner,
-    InfeasibleBudget,
-    LayerCost,
-    escalated,
-    gate_costs,
-    plan_for_gates,
-    plan_micro_batch,
-)
-from ..planner.dual_batch import ScheduleCache, executor_stages
+from ..planner.decider import Decider, static_plan
+from ..planner.dual_batch import ScheduleCache
 from ..stage import Stage
 from .costs import MicroBatch, PlanCosts, StageCosts
 from .trace import Trace
@@ -99,7 +89,7 @@ class Static(System):
         self.plans = self._plans(strategies, imbalance or ranks[0].stage.recipe.spikes.normal_max_imbalance)
 
     def _plans(self, strategies: Sequence[str] | None, imbalance: float) -> list[list[PlanCosts]]:
-        return [[c.under(static_plan(c, r.stage, strategies, imbalance)) for c in r.costs] for r in self.ranks]
+        return [[c.under(_static_plan(c, r.stage, strategies, imbalance)) for c in r.costs] for r in self.ranks]
 
     def iteration(self, it: int) -> list[list[MicroBatch]]:
         micro_batches = range(len(self.trace.imbalance[it]))
@@ -111,23 +101,17 @@ class Static(System):
     def after_crash(self, observed: float) -> bool:
         if self.fallback is None:
             return False
-        before = [[_items(c.plan) for c in plans] for plans in self.plans]
+        before = [[c.plan.key for c in plans] for plans in self.plans]
         self.plans = self._plans(self.strategies if self.fallback == "observed" else None, observed)
-        return [[_items(c.plan) for c in plans] for plans in self.plans] != before
+        return [[c.plan.key for c in plans] for plans in self.plans] != before
 
 
-def static_plan(costs: StageCosts, rank: Stage, strategies: Sequence[str] | None, imbalance: float) -> Plan:
-    """Algorithm 2's plan for one model chunk (`costs`; the rank's blocks without interleaving)
-    of `strategies` (None: full recompute) for routing `imbalance` x balanced at the rank's first
-    Algorithm 1 budget, the even share of the warmup stack."""
-    s = costs.stage
-    if strategies is None:
-        return Plan(s.cost.full_recompute())
-    routed = [costs.balanced * imbalance] * len(s.cost.moe_layers)
-    try:
-        return plan_micro_batch(s.cost, rank.budgets().budget(0), s.tokens, routed, s.recipe.batch.seq_len, strategies, s.options).plan
-    except InfeasibleBudget:
-        return Plan(s.cost.full_recompute())
+def _static_plan(costs: StageCosts, rank: Stage, strategies: Sequence[str] | None, imbalance: float) -> Plan:
+    """The static plan of one model chunk (`costs`; the rank's blocks without interleaving) for
+    routing `imbalance` x balanced at the rank's first Algorithm 1 budget, the even share of the
+    warmup stack."""
+    s, budget = costs.stage, rank.budgets().budget(0)
+    return static_plan(s.cost, budget, s.tokens, s.recipe.batch.seq_len, costs.balanced * imbalance, strategies, s.options)
 
 
 class BaGuaLu(System):
@@ -148,49 +132,43 @@ class BaGuaLu(System):
 
 
 class _Decider:
-    """One rank's Provisioner arithmetic (`runtime.provisioner`), without a model; with vp > 1
-    every chunk forward is one Algorithm 1 step and planned on its chunk's cost model."""
+    """One rank's decisions (`planner.decider.Decider`, as the Provisioner makes them), driven by
+    the trace and the cost model's bytes instead of a model; with vp > 1 every chunk forward is one
+    Algorithm 1 step, planned on its chunk's cost model (the decider's key is the chunk)."""
 
     def __init__(self, rank: Rank, fused: bool = True):
         s = self.stage = rank.stage
         self.rank, self.vp = rank, len(rank.costs)
-        balanced = rank.costs[0].balanced
-        self.planned = balanced * s.recipe.spikes.normal_max_imbalance
-        self.heaviest = balanced * s.recipe.spikes.spike_max_imbalance
-        self.planners = [  # the Provisioner's cache buckets: 1/16 of M0 and of the balanced routing
-            CachedPlanner(
-                c.cm, budget_quantum=max(1, s.min_budget // 16), routed_quantum=max(1, int(balanced) // 16),
-                strategies=s.recipe.strategies.allowed, options=s.options,
-            )
-            for c in rank.costs
-        ]
-        self.gates: dict[tuple, dict[int, LayerCost]] = {}
-        self.schedules = ScheduleCache(executor_stages(s.chunks, s.options)) if fused and s.recipe.pipeline.pp > 2 else None
+        self.decider = Decider(s, {c: costs.cm for c, costs in enumerate(rank.costs)})
+        self.schedules = ScheduleCache(s.chunks, s.options) if fused and s.recipe.pipeline.pp > 2 else None
         self.forwards = [(f.micro_batch, f.chunk) for f in s.schedule if f.kind == "F"]
         self.points = _points(s.schedule)
 
     def iteration(self, trace: Trace, it: int) -> tuple[list[MicroBatch], float]:
         """The rank's micro-batch costs in iteration `it`, and the seconds its decisions took."""
-        s, vp = self.stage, self.vp
+        s, vp, decider = self.stage, self.vp, self.decider
         seq_len = s.recipe.batch.seq_len
-        budgets, plans, spent = self.stage.budgets(), {}, 0.0
+        plans, spent = {}, 0.0
         out: list[MicroBatch | None] = [None] * len(self.forwards)
+        start = time.perf_counter()
+        decider.start_iteration()
         for k, (mb, c) in enumerate(self.forwards):
             imbalance = trace.of(it, mb, self.rank.positions[c])
-            start = time.perf_counter()
-            plan = self._plan(budgets, k, c, imbalance)
+            f = decider.begin(k, s.tokens, seq_len, c)
+            for layer, x in zip(decider.costs[c].moe_layers, imbalance):
+                decider.at_gate(f, layer, f.balanced * x)
             spent += time.perf_counter() - start
-            cost = self.rank.costs[c].under(plan).at(imbalance)  # what the Ledger would measure
+            cost = self.rank.costs[c].under(f.plan).at(imbalance)  # what the Ledger would measure
             start = time.perf_counter()
-            budgets = budgets.after_forward(k, round(cost.held_bytes))
-            plans[mb, c] = _items(plan)
-            spent += time.perf_counter() - start
+            decider.end(f, round(cost.held_bytes))
+            plans[mb, c] = f.plan
             out[mb * vp + c] = cost
+        spent += time.perf_counter() - start
         if self.schedules is not None:
             for (x, y, o, r) in self.points:
                 start = time.perf_counter()
                 which = tuple(unit[1] if unit else 0 for unit in (x, y, o, r))
-                schedule = self.schedules.get((s.tokens, seq_len, which, *(plans[unit] if unit else () for unit in (x, y, o, r))))
+                schedule, _ = self.schedules.get(s.tokens, seq_len, which, [plans[unit] if unit else None for unit in (x, y, o, r)])
                 spent += time.perf_counter() - start
                 if schedule.serial_s > 0:
                     factor = schedule.time_s / schedule.serial_s
@@ -198,30 +176,6 @@ class _Decider:
                     out[fx] = replace(out[fx], forward_s=out[fx].forward_s * factor)
                     out[by] = replace(out[by], backward_s=out[by].backward_s * factor)
         return out, spent
-
-    def _plan(self, budgets: BudgetState, k: int, chunk: int, imbalance: tuple[float, ...]) -> Plan:
-        """Algorithm 2 for the normal band at Algorithm 1's budget of forward k, leaving the gates
-        their share (`planner.plan_for_gates`), then each gate in layer order."""
-        s, costs = self.stage, self.rank.costs[chunk]
-        cm, tokens, seq_len = costs.cm, s.tokens, s.recipe.batch.seq_len
-        routed = [self.planned] * len(cm.moe_layers)
-
-        def layer_costs(plan: Plan) -> dict[int, LayerCost]:
-            key = (chunk, _items(plan))
-            if key not in self.gates:
-                self.gates[key] = gate_costs(cm, plan, tokens, seq_len, self.planned, s.options)
-            return self.gates[key]
-
-        gates = plan_for_gates(
-            lambda b: self.planners[chunk].plan(b, tokens, routed, seq_len), layer_costs, budgets.budget(k), self.planned, self.heaviest
-        )
-        plan, slack, headroom = gates.decision.plan, gates.slack, budgets.headroom(k)
-        for layer, x in zip(cm.moe_layers, imbalance):
-            gate = gates.at_gate(layer, costs.balanced * x, slack, headroom)
-            slack, headroom = gate.slack, gate.headroom
-            if gate.action == "escalate":
-                plan = escalated(plan, layer)
-        return plan
 
 
 Unit = tuple[int, int]  # (micro-batch, chunk)
@@ -244,10 +198,6 @@ def _points(schedule: list[Step]) -> list[tuple[Unit, Unit, Unit | None, Unit | 
         r = backwards[j + 1] if j + 1 < len(backwards) and o is not None and position[backwards[j + 1]] < i - 1 else None
         out.append((x, y, o, r))
     return out
-
-
-def _items(plan: Plan) -> tuple[tuple[OpId, str], ...]:
-    return tuple(sorted(plan.items()))
 
 
 LEVELS = ("L1", "L2", "L3", "L4")

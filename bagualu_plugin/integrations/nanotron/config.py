@@ -37,9 +37,8 @@ import torch
 import yaml
 
 from ...adapters.costs import model_dims
-from ...config import Recipe, RecipeError, load_recipe
+from ...config import Recipe, RecipeError, check_pipeline, load_recipe
 from ...derive import checkpoint_model, disagreements, hardware_of
-from ...planner.dual_batch import check_pipeline
 from ...stage import Stage
 from ...units import fmt_bytes
 from .compat import import_nanotron

@@ -82,7 +82,8 @@ class DualBatchPipelineEngine(BagualuPipelineEngine):
             raise ValueError("DualBatchPipelineEngine accumulates gradients in the parameters: pass grad_accumulator=None")
         pp, rank, p2p = pg.size(), dist.get_rank(pg), model.p2p
         first, last = rank == 0, rank == pp - 1
-        executor = DualBatchExecutor(StagePieces(model.causal_lm, pp, rank, loss_divisor=nb_microbatches), self.provisioner)
+        executor = DualBatchExecutor.of(self.provisioner, lambda: StagePieces(model.causal_lm, pp, rank, loss_divisor=nb_microbatches))
+        executor.reset()
         batch, outputs, in_flight = list(batch), [], 0
 
         def received(mb: int) -> torch.Tensor:

@@ -57,6 +57,7 @@ from ...adapters.gate import RoutingSkew
 from ...config import Recipe, RecipeError, Spikes
 from ...costmodel.pipeline import stage_layers
 from ...parallel.checkpoint import expert_shards, load_pretrained
+from ...parallel.gradients import all_reduce_gradients
 from ...runtime.ledger import Ledger
 from ...runtime.provisioner import apply
 from ...spikes import imbalance_schedule, skew_fraction
@@ -164,26 +165,10 @@ class _GradientSync:
 
     def __call__(self) -> None:
         if self.tied is not None and self.tied_params:
-            _all_reduce(self.tied_params, self.tied)
+            all_reduce_gradients(self.tied_params, self.tied)
         if self.replica is not None:
-            _all_reduce(self.dense, self.replica, self.replicas)
-            _all_reduce(self.experts, self.dp, self.replicas)
-
-
-def _all_reduce(params: list[nn.Parameter], group: dist.ProcessGroup | None, divide: int = 1) -> None:
-    """Sum `params`' gradients over `group` (None: this rank alone) in one flat buffer, then divide."""
-    if not params:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    if group is not None:
-        dist.all_reduce(flat, group=group)
-    if divide != 1:
-        flat /= divide
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
-        offset += g.numel()
+            all_reduce_gradients(self.dense, self.replica, self.replicas)
+            all_reduce_gradients(self.experts, self.dp, self.replicas)
 
 
 def _per_rank(recipe: Recipe, rank: int) -> Recipe:

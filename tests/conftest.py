@@ -1,0 +1,31 @@
+"""Shared test setup. The helpers the test files share live in tests/helpers.py (`from helpers
+import ...`); the markers are registered in pyproject.toml:
+
+- `multiprocess`: the test starts processes (gloo ranks through `parallel.launch.run_ranks`,
+  torchrun, `accelerate launch`, a python subprocess). `pytest -m "not multiprocess"` is the fast,
+  in-process tier; CI runs everything.
+- `gpu`: the test needs a CUDA device; without one it is skipped."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# pytest's default (prepend) import mode already puts this folder, which has no __init__.py, on
+# sys.path when it imports this file; so that `from helpers import ...` (and nanotron_configs)
+# also resolve under --import-mode=append/importlib, put it there ourselves.
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+        for item in gpu:
+            item.add_marker(skip)

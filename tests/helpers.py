@@ -1,0 +1,139 @@
+"""What several test files share: the recipe of a tiny model, one loss-and-gradients step under a
+plan, and the relative error of gradients. Tests import it as `from helpers import ...` (tests/
+is on sys.path: pytest puts a rootdir-less test folder there, and tests/conftest.py makes sure;
+ranks spawned by `parallel.launch.run_ranks` inherit the parent's sys.path)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.config import Recipe
+from bagualu_plugin.costmodel import ModelDims
+from bagualu_plugin.costmodel.mitigation import MitigationOptions
+from bagualu_plugin.runtime.plan_runtime import apply_plan
+
+
+def unmitigated_bytes(model, micro_batch_size: int, seq_len: int, stage: tuple[int, int] | None = None) -> int:
+    """What one micro-batch of `micro_batch_size` sequences of `seq_len` keeps with nothing
+    mitigated, by the analytic cost model of `model` (of pipeline stage `stage` = (pp, rank) when
+    given, else of the whole model)."""
+    cost = model_cost(model)
+    if stage is not None:
+        cost = cost.stage(*stage)
+    return cost.activation_bytes(micro_batch_size * seq_len, seq_len=seq_len)
+
+
+def tiny_recipe(
+    model,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    capacity: float | None = None,
+    capacity_bytes: int | None = None,
+    stage: tuple[int, int] | None = None,
+    pipeline: dict | None = None,
+    parallel: dict | None = None,
+    strategies: dict | None = None,
+    budget: dict | None = None,
+    telemetry: str | None = None,
+    batch_section: bool = True,
+    exclude_defaults: bool = False,
+    as_dict: bool = False,
+    **sections,
+) -> Recipe | dict:
+    """The recipe of (tiny) `model` on the CPU preset: its dimensions (FP32, SDPA), the batch
+    section, no non-activation bytes (`budget` updates that section, e.g. `min_budget`).
+
+    capacity: a multiple of one unmitigated micro-batch (`unmitigated_bytes`, of `stage` when
+    given); capacity_bytes: in bytes; neither: the preset's. pipeline, parallel, strategies: those
+    sections as given (left out when None); telemetry: the events' path. batch_section=False leaves
+    out the batch section (nanotron's `bagualu:` section takes it from nanotron's own); exclude_defaults:
+    the model section without its defaults (its empty tuples do not survive YAML); `sections`:
+    further top-level keys, last. A `Recipe`, or with as_dict the dict it is made from."""
+    if capacity is not None and capacity_bytes is not None:
+        raise TypeError("give capacity (a multiple of one micro-batch) or capacity_bytes, not both")
+    hardware: dict = {"preset": "cpu"}
+    if capacity is not None:
+        hardware["capacity_bytes"] = int(capacity * unmitigated_bytes(model, micro_batch_size, seq_len, stage))
+    elif capacity_bytes is not None:
+        hardware["capacity_bytes"] = capacity_bytes
+    dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
+    data = {"hardware": hardware, "model": dims.model_dump(exclude_defaults=exclude_defaults)}
+    optional = {"parallel": parallel, "pipeline": pipeline}
+    data |= {name: section for name, section in optional.items() if section is not None}
+    if batch_section:
+        data["batch"] = {"seq_len": seq_len, "micro_batch_size": micro_batch_size}
+    data["budget"] = {"non_activation_bytes": 0, **(budget or {})}
+    if strategies is not None:
+        data["strategies"] = strategies
+    if telemetry is not None:
+        data["telemetry"] = {"path": telemetry}
+    data |= sections
+    return data if as_dict else Recipe.from_dict(data)
+
+
+def plan_step(
+    model,
+    ids: torch.Tensor,
+    plan: Mapping | None = None,
+    *,
+    labels: torch.Tensor | None = None,
+    options: MitigationOptions = MitigationOptions(),
+    seed: int | None = None,
+    backward: bool = True,
+    grads: str = "present",
+    named: bool = False,
+    output: bool = False,
+) -> tuple:
+    """One forward (and backward) of `model` on `ids` from cleared gradients: the detached loss,
+    the gradients and the device bytes the Ledger counted at the end of forward.
+
+    plan: installed with `apply_plan` (and `options`) for the forward; `{}` mitigates nothing but
+    still counts; None runs the bare model (the bytes are None). labels: default a copy of `ids`,
+    as data collators make them (a region recomputing the loss holds its own). seed: set before
+    the forward (the same dropout masks every time). backward=False: no backward, no gradients.
+    Gradients (copies), in parameter order, a list or with `named` a dict by parameter name: of
+    every parameter that has one ("present"), that requires grad ("trainable": one without a
+    gradient fails), or of every parameter ("all", None where it has none). With `output`, the
+    model's output is returned last as well."""
+    model.zero_grad(set_to_none=True)
+    if seed is not None:
+        torch.manual_seed(seed)
+    labels = ids.clone() if labels is None else labels
+
+    def forward():
+        out = model(input_ids=ids, labels=labels)
+        return out if output else out.loss  # only what the caller keeps outlives the forward
+
+    if plan is None:
+        result, saved = forward(), None
+    else:
+        with apply_plan(model, plan, options=options) as ledger:
+            result = forward()
+            saved = ledger.live_device_bytes
+    loss = result.loss if output else result
+    if backward:
+        loss.backward()
+    chosen = {"present": lambda p: p.grad is not None, "trainable": lambda p: p.requires_grad, "all": lambda p: True}[grads]
+
+    def copy(name, p):
+        if p.grad is None and grads == "trainable":
+            raise AssertionError(f"{name} requires grad but got no gradient")
+        return None if p.grad is None else p.grad.clone()
+
+    got = [(n, copy(n, p)) for n, p in model.named_parameters() if backward and chosen(p)]
+    got = dict(got) if named else [g for _, g in got]
+    return (loss.detach(), got, saved, result) if output else (loss.detach(), got, saved)
+
+
+def relative_error(values, reference, floor: float = 0.0) -> float:
+    """The relative L2 error |values - reference| / |reference|, in FP32: of one tensor (the
+    reference's norm clamped at `floor`, e.g. 1e-30 where both may be zero), or of a sequence of
+    tensors taken together as one vector."""
+    if isinstance(values, torch.Tensor):
+        return ((values - reference).float().norm() / reference.float().norm().clamp_min(floor)).item()
+    num = sum(((g - r).float().norm() ** 2).item() for g, r in zip(values, reference))
+    return (num / sum((r.float().norm() ** 2).item() for r in reference)) ** 0.5
