@@ -162,10 +162,8 @@ class ScheduleCache:
             self.hits += seen[1]
             return seen[0], True
         models = [self.chunks[c] for c in which]
-        orders = [list(m.blocks) if c in (0, 2) else list(reversed(m.blocks)) for c, m in enumerate(models)]
         parts, hit = [], True
-        for k in range(max(map(len, orders))):
-            blocks = tuple(order[k] if k < len(order) else None for order in orders)
+        for blocks in _positions(models):
             entries = tuple(plan.block(i) if plan is not None and i is not None else () for plan, i in zip(plans, blocks))
             key = (tokens, seq_len, tuple(which), blocks, entries)
             part = self._parts.get(key)
@@ -191,6 +189,13 @@ class ScheduleCache:
     def hit_rate(self) -> float:
         asked = self.hits + self.misses
         return self.hits / asked if asked else 0.0
+
+
+def _positions(models: Sequence[CostModel]) -> list[tuple[int | None, ...]]:
+    """The blocks the four classes run at each position of a point: F and O in program order, B and
+    R in reverse, None past a (shorter) chunk's end."""
+    orders = [list(m.blocks) if c in (0, 2) else list(reversed(m.blocks)) for c, m in enumerate(models)]
+    return [tuple(order[k] if k < len(order) else None for order in orders) for k in range(max(map(len, orders)))]
 
 
 def _block_stages(
@@ -259,13 +264,10 @@ def point_stages(
         raise ValueError(f"give one cost model, or one per class {CLASSES}, got {len(models)}")
     loads = [model.loads(tokens, routed, seq_len) for model in models]
     plans = [Plan(plan) for plan in (forward, backward, offload, recovery)]
-    orders = [list(m.blocks) if c in (0, 2) else list(reversed(m.blocks)) for c, m in enumerate(models)]
-    out = []
-    for k in range(max(map(len, orders))):
-        blocks = [order[k] if k < len(order) else None for order in orders]
-        entries = [plan.block(i) if i is not None else () for plan, i in zip(plans, blocks)]
-        out.append(_block_stages(models, loads, entries, blocks, options))
-    return out
+    return [
+        _block_stages(models, loads, [plan.block(i) if i is not None else () for plan, i in zip(plans, blocks)], blocks, options)
+        for blocks in _positions(models)
+    ]
 
 
 def solve_blocks(blocks: Sequence[Stages]) -> Schedule:

@@ -68,8 +68,7 @@ def _fused(model, batches, schedule, provisioner, around) -> list[torch.Tensor]:
     alone, each steady F_x B_y pair as one point."""
     steps = {(s.kind, s.micro_batch): s for s in schedule}
     executor = DualBatchExecutor.of(provisioner, lambda: StagePieces(model))
-    executor.reset()
-    executor.around = (lambda kind, mb: around(steps[kind, mb])) if around else (lambda kind, mb: nullcontext())
+    executor.start((lambda kind, mb: around(steps[kind, mb])) if around else None)
     losses: dict[int, torch.Tensor] = {}
     in_flight: list[int] = []
     for step, backward in fused_points(schedule):

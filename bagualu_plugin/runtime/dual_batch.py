@@ -103,10 +103,10 @@ class DualBatchExecutor:
     keeps the micro-batches in flight and the points' schedules (the DP's, cached block by
     block); the Provisioner budgets and plans each forward and never calls back."""
 
-    def __init__(self, stage: StagePieces, provisioner: Provisioner | None = None, around: Around | None = None):
+    def __init__(self, stage: StagePieces, provisioner: Provisioner | None = None):
         self.stage, self.provisioner = stage, provisioner
-        self.around = around or (lambda kind, mb: nullcontext())
         self._flights: dict[int, _Flight] = {}
+        self.start()
         self.schedules = ScheduleCache(provisioner.stage.chunks, provisioner.stage.options) if provisioner else None
 
     @classmethod
@@ -117,9 +117,11 @@ class DualBatchExecutor:
             provisioner.executor = cls(stage(), provisioner)
         return provisioner.executor
 
-    def reset(self) -> None:
-        """Drop the micro-batches in flight (an iteration that raised leaves its graphs to the caller)."""
+    def start(self, around: Around | None = None) -> None:
+        """A new iteration: nothing in flight (one that raised leaves its graphs to the caller), and
+        `around(kind, mb)` entered around each of its pieces."""
         self._flights.clear()
+        self.around = around or (lambda kind, mb: nullcontext())
 
     # --- unfused: warmup forwards, cooldown backwards -------------------------------------------
     def forward(self, mb: int, value: torch.Tensor, labels: torch.Tensor | None = None, **engine) -> torch.Tensor:

@@ -148,13 +148,12 @@ class Provisioner:
         measured = budget.non_activation_bytes == "auto" and not budget.fsdp  # else the recipe's number, or FSDP's formula
         self.static = StaticMemory(adapter.model, self.ledger) if measured else None
         # the cost model of each kind of forward (`runtime.boundaries.ForwardKind`: attention with a
-        # mask, TRL's fused head), built when the first micro-batch of that kind comes; a given cost
-        # model has no twins
-        plain = ForwardKind()
-        self._costs = {plain: cost or model_cost(model, recipe.hardware)}
+        # mask, TRL's fused head), the decider's, built when the first micro-batch of that kind
+        # comes (`_add`); a given cost model has no twins
+        plain = cost or model_cost(model, recipe.hardware)
         self._given_cost = cost is not None
         static = self.static.measure() if measured else None
-        self.decider = Decider(Stage.of(recipe, self._costs[plain], split=False, static_bytes=static), {plain: self._costs[plain]})
+        self.decider = Decider(Stage.of(recipe, plain, split=False, static_bytes=static), {ForwardKind(): plain})
         stage = self.stage
         self.ledger.static_bytes = stage.static_bytes
         # the schedule's phase of each forward: 1F1B's steady phase starts one forward before
@@ -189,20 +188,19 @@ class Provisioner:
         self.decider.set_stage(stage)
         self.ledger.static_bytes = stage.static_bytes
 
-    def _cost(self, kind: ForwardKind) -> CostModel:
-        """The cost model of micro-batches of `kind`."""
-        if kind not in self._costs:
-            if not self._given_cost:
-                self._costs[kind] = model_cost(self.runtime.adapter.model, self.recipe.hardware, **kind._asdict())
-            else:  # a given cost model: plan the micro-batch as if its forward were plain
-                warnings.warn(
-                    f"a micro-batch's forward runs as {kind} (a masked attention, TRL's fused head, a counted or auxiliary "
-                    "loss), which the cost model given to bgl.apply does not describe: it is planned as a plain forward; let "
-                    "bgl.apply build its cost model",
-                    RuntimeWarning, stacklevel=4,
-                )
-                self._costs[kind] = self._costs[ForwardKind()]
-        return self._costs[kind]
+    def _add(self, kind: ForwardKind) -> None:
+        """Plan micro-batches of `kind` on their own cost model (the decider's from now on)."""
+        if not self._given_cost:
+            cost = model_cost(self.runtime.adapter.model, self.recipe.hardware, **kind._asdict())
+        else:  # a given cost model: plan the micro-batch as if its forward were plain
+            warnings.warn(
+                f"a micro-batch's forward runs as {kind} (a masked attention, TRL's fused head, a counted or auxiliary "
+                "loss), which the cost model given to bgl.apply does not describe: it is planned as a plain forward; let "
+                "bgl.apply build its cost model",
+                RuntimeWarning, stacklevel=4,
+            )
+            cost = self.decider.costs[ForwardKind()]
+        self.decider.add(kind, cost)
 
     def _rebase(self) -> None:
         """Algorithm 1's M_used follows the measured static bytes (an optimizer's first step adds
@@ -227,12 +225,12 @@ class Provisioner:
         stage = self.stage
         batch = Batch(seq_len=seq_len, micro_batch_size=-(-tokens // seq_len))
         if kind not in self.decider.costs:
-            self.decider.add(kind, self._cost(kind))
+            self._add(kind)
         elif tokens <= stage.tokens and seq_len <= stage.recipe.batch.seq_len:
             return
         try:
             recipe = stage.recipe.model_copy(update={"batch": batch})
-            grown = Stage.of(recipe, self._cost(kind), split=False, static_bytes=stage.static_bytes)
+            grown = Stage.of(recipe, self.decider.costs[kind], split=False, static_bytes=stage.static_bytes)
             if grown.min_budget > stage.min_budget:
                 self._set_stage(replace(grown, cost=stage.cost, chunks=stage.chunks))
         except ValueError as error:

@@ -83,7 +83,7 @@ class DualBatchPipelineEngine(BagualuPipelineEngine):
         pp, rank, p2p = pg.size(), dist.get_rank(pg), model.p2p
         first, last = rank == 0, rank == pp - 1
         executor = DualBatchExecutor.of(self.provisioner, lambda: StagePieces(model.causal_lm, pp, rank, loss_divisor=nb_microbatches))
-        executor.reset()
+        executor.start()
         batch, outputs, in_flight = list(batch), [], 0
 
         def received(mb: int) -> torch.Tensor:
