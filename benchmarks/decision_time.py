@@ -3,7 +3,8 @@
 1. The Provisioner on the demo's model (`bagualu demo`'s tiny GLM-4-MoE, its recipe and routing
    spikes): per micro-batch, `begin_forward` in all (Algorithm 1's budget, Algorithm 2's plan, the
    gates' room, the plan installed and the forward's hooks entered), and within it the path
-   planner (`PathPlanner.plan`), the gates' costs (`Decider._gate_costs`), the runtime install
+   planner (`PathPlanner.plan`), the gates' costs (`gate_costs`: none once a shape's band is
+   prepared, which `Decider` does when it is built for the recipe's shape), the runtime install
    (`PlanRuntime.set_plan` and entering `PlanRuntime.forward`) and the Ledger refresh inside it.
    On 4 expert-parallel gloo ranks (the demo's adaptive policy, profiled cost model) and in one
    process (the same model unsharded, analytic cost model).
@@ -30,7 +31,7 @@ from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.demo.job import demo_rank
 from bagualu_plugin.demo.model import demo_model, rank_batches
 from bagualu_plugin.parallel.launch import run_ranks
-from bagualu_plugin.planner.decider import Decider
+from bagualu_plugin.planner import decider
 from bagualu_plugin.planner.path import PathPlanner
 from bagualu_plugin.report import table
 from bagualu_plugin.runtime.driver import run_iteration
@@ -43,7 +44,7 @@ PARTS = ("begin_forward", "plan", "gate costs", "runtime install", "Ledger refre
 
 
 def _instrument() -> dict[str, list[float]]:
-    """Wrap the timed methods of this process; the seconds of each call made inside a
+    """Wrap the timed methods and functions of this process; the seconds of each call made inside a
     `begin_forward` (profiling and pre-training make calls of their own) land in the lists."""
     seconds: dict[str, list[float]] = defaultdict(list)
     inside = [False]
@@ -66,15 +67,15 @@ def _instrument() -> dict[str, list[float]]:
 
     timed(Provisioner, "begin_forward", "begin_forward")
     timed(PathPlanner, "plan", "plan")
-    timed(Decider, "_gate_costs", "gate costs")
+    timed(decider, "gate_costs", "gate costs")
     timed(PlanRuntime, "set_plan", "runtime install")
     timed(Ledger, "refresh", "Ledger refresh")
     forward = PlanRuntime.forward
 
     @contextmanager
-    def entered(self):
+    def entered(self, *args, **kwargs):
         start, counted = time.perf_counter(), inside[0]
-        with forward(self) as ledger:
+        with forward(self, *args, **kwargs) as ledger:
             if counted:
                 seconds["runtime install"].append(time.perf_counter() - start)
             yield ledger

@@ -141,6 +141,19 @@ def test_hf_gradient_checkpointing_is_refused():
         bgl.apply(model, Recipe.from_dict(_recipe()))
 
 
+def test_hf_gradient_checkpointing_enabled_after_apply_is_refused_at_the_next_iteration():
+    model = _model()
+    prov = bgl.apply(model, Recipe.from_dict(_recipe(capacity=2.0)))
+    ids = torch.randint(0, 128, (MBS, SEQ))
+    for _ in range(M):  # one optimizer step: the next micro-batch begins an iteration
+        with prov.micro_batch(ids):
+            model(input_ids=ids, labels=ids).loss.backward()
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"gradient_checkpointing_enable\(\).*gradient_checkpointing_disable"):
+        with prov.micro_batch(ids):
+            model(input_ids=ids, labels=ids).loss.backward()
+
+
 def test_checkpoint_wrappers_are_refused_also_after_apply():
     """What accelerate's fsdp_activation_checkpointing installs: torch's checkpoint wrappers."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing

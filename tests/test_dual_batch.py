@@ -66,8 +66,9 @@ def _small_cost_model():
 
 
 def test_the_cache_solves_each_block_once_and_equals_solving_the_point():
-    """A point's schedule from the cache is the point solved block by block from the cost model;
-    a second point whose plans differ in one block solves that block alone again."""
+    """A point's schedule from the cache is the point solved block by block from the cost model,
+    each distinct block's stages solved once; a second point whose plans differ in one block
+    solves that block alone again."""
     from bagualu_plugin.costmodel import OpId
     from bagualu_plugin.costmodel.plan import Plan
     from bagualu_plugin.planner.dual_batch import piece_stages, point_stages, solve_blocks
@@ -79,16 +80,27 @@ def test_the_cache_solves_each_block_once_and_equals_solving_the_point():
     recompute = Plan({OpId(i, n): "recompute" for i in moe for n in ("expert_fc1", "expert_act", "expert_fc2")})
     cache = ScheduleCache([cm])
     plans = [recompute, recompute, offload, recompute]
+
+    def distinct(blocks) -> set:
+        return {tuple(map(tuple, stages)) for stages in blocks}
+
+    blocks = piece_stages(point_stages(cm, *plans, tokens, seq_len=seq))
+    solved = distinct(blocks)
+    assert 1 < len(solved) < len(cm.blocks)  # the MoE blocks in the middle run the same stages
     schedule, hit = cache.get(tokens, seq, (0, 0, 0, 0), plans)
-    assert not hit and cache.misses == len(cm.blocks) and cache.hits == 0
-    assert schedule == solve_blocks(piece_stages(point_stages(cm, *plans, tokens, seq_len=seq)))
+    assert not hit and cache.misses == len(solved) and cache.hits == len(cm.blocks) - len(solved)
+    assert schedule == solve_blocks(blocks)
     assert cache.get(tokens, seq, (0, 0, 0, 0), plans) == (schedule, True)
-    # x's plan changes in its last MoE layer only: F runs that block at one position, the others hit
-    changed = Plan({**recompute, OpId(moe[-1], "attn_core"): "recompute"})
-    other, hit = cache.get(tokens, seq, (0, 0, 0, 0), [changed, *plans[1:]])
-    assert not hit and cache.misses == len(cm.blocks) + 1
-    assert other == solve_blocks(piece_stages(point_stages(cm, changed, *plans[1:], tokens, seq_len=seq)))
-    assert cache.hit_rate == pytest.approx((2 * len(cm.blocks) - 1) / (3 * len(cm.blocks)))
+    # x's plan recomputes one more op: its forward (F) runs as before, nothing is solved again
+    more = [Plan({**recompute, OpId(moe[-1], "attn_core"): "recompute"}), *plans[1:]]
+    assert cache.get(tokens, seq, (0, 0, 0, 0), more) == (schedule, True) and cache.misses == len(solved)
+    # x-1's plan offloads more in its last MoE layer only: O's copies change at that block alone
+    changed = [*plans[:2], Plan({**offload, OpId(moe[-1], "expert_fc2"): "offload"}), plans[3]]
+    other, hit = cache.get(tokens, seq, (0, 0, 0, 0), changed)
+    changed_blocks = piece_stages(point_stages(cm, *changed, tokens, seq_len=seq))
+    assert not hit and len(distinct(changed_blocks) - solved) == 1 and cache.misses == len(solved) + 1
+    assert other == solve_blocks(changed_blocks)
+    assert cache.hit_rate == pytest.approx(1 - (len(solved) + 1) / (4 * len(cm.blocks)))
 
 
 def test_a_scheduling_point_s_stages_come_from_the_cost_model():

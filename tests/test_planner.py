@@ -5,7 +5,7 @@ import pytest
 from bagualu_plugin.config import load_recipe
 from bagualu_plugin.costmodel import BlockGraph, CostModel, LinearForm, OpId, OpSpec, TensorSpec
 from bagualu_plugin.hardware import HardwareSpec
-from bagualu_plugin.planner import BudgetState, InfeasibleBudget, at_gate, escalated, gate_costs, plan_for_gates, plan_micro_batch
+from bagualu_plugin.planner import BudgetState, GatePlan, InfeasibleBudget, at_gate, escalated, gate_costs, plan_for_gates, plan_micro_batch
 from bagualu_plugin.stage import Stage
 
 
@@ -93,8 +93,10 @@ def test_algorithm_2_rejects_conflicting_candidates_and_reports_infeasible_budge
     best = err.value.best
     assert dict(best.plan) == {OpId(0, "a"): "offload"} and best.activation_bytes + best.reload_bytes == 2000
     # the gates' planning runs that plan rather than stopping: lighter routing than planned may fit
-    gates = plan_for_gates(lambda b: plan_micro_batch(cm, b, tokens=1, strategies=("offload",)), lambda plan: {}, 1300, 0.0, 0.0)
-    assert gates.decision == best and gates.slack == -700 and gates.after == {}
+    gates, slack = plan_for_gates(
+        lambda b: plan_micro_batch(cm, b, tokens=1, strategies=("offload",)), lambda d: GatePlan.of(d, {}, 0.0, 0.0), 1300, 0.0, 0.0
+    )
+    assert gates.decision == best and slack == -700 and gates.after == {} and gates.need == 0
     with pytest.raises(ValueError, match="strategies: unknown"):
         plan_micro_batch(cm, 1100, tokens=1, strategies=("zip",))
 
@@ -132,20 +134,24 @@ def test_plans_leave_each_gate_what_it_needs_at_the_heaviest_routing():
     def costs(p):
         return gate_costs(cm, p, tokens, seq, planned, options)
 
+    def gates_of(d, heaviest=heaviest):
+        return GatePlan.of(d, costs(d.plan), planned, heaviest)
+
     def kept_at_spike(p) -> float:
         return cm.footprint(tokens, [heaviest], seq, escalated(p, layer), options).needed_bytes
 
     first = plan(budget)
     assert budget - first.activation_bytes - first.reload_bytes < costs(first.plan)[layer].escalation_bytes(heaviest, planned)
     assert kept_at_spike(first.plan) > budget
-    gates = plan_for_gates(plan, costs, budget, planned, heaviest)
+    gates, slack = plan_for_gates(plan, gates_of, budget, planned, heaviest)
     assert gates.decision.plan != first.plan and gates.after == {layer: 0.0}
     c = gates.costs[layer]
-    assert gates.slack >= c.escalation_bytes(heaviest, planned) > 0
-    decision = at_gate(heaviest, planned, c.per_pair, c.escalation_bytes(heaviest, planned), gates.slack, 0.0, gates.after[layer])
+    assert slack >= gates.need == c.escalation_bytes(heaviest, planned) > 0
+    decision = at_gate(heaviest, planned, c.per_pair, c.escalation_bytes(heaviest, planned), slack, 0.0, gates.after[layer])
     assert decision.action == "escalate" and decision.slack >= 0
     assert kept_at_spike(gates.decision.plan) <= budget
-    assert plan_for_gates(plan, costs, budget, planned, planned).decision.plan == first.plan  # no spikes to leave room for
+    unspiked, _ = plan_for_gates(plan, lambda d: gates_of(d, planned), budget, planned, planned)
+    assert unspiked.decision.plan == first.plan  # no spikes to leave room for
 
 
 def test_algorithm_2_reaches_m0_where_its_greedy_stops_above_it():

@@ -90,7 +90,11 @@ class GateMonitor(_RouterHooks):
     one process with the (E,) counts of the layer's routing, all of them local; under expert
     parallelism with the (E/ep,) pairs each local expert received from all ranks, and their sum.
     When a checkpoint re-runs a layer during backward the routing is known already, so the hook
-    neither calls on_gate nor overwrites the records (decisions are never taken twice)."""
+    neither calls on_gate nor overwrites the records (decisions are never taken twice). While
+    `active` is False the installed hooks return at once (a Provisioner installs the monitor once
+    and turns it on for its training forwards only)."""
+
+    active = True
 
     def __init__(self, adapter, on_gate: OnGate | None = None):
         if on_gate is not None and not callable(on_gate):
@@ -115,12 +119,14 @@ class GateMonitor(_RouterHooks):
         super().remove()
 
     def _hook(self, layer: Layer, module: nn.Module, args, output) -> None:
-        if is_inside_backward() or layer.expert_parallel:
+        if not self.active or is_inside_backward() or layer.expert_parallel:
             return
         counts = tokens_per_expert(_router_output(layer, output)[2], self.adapter.num_experts)
         self._record(layer, counts, counts.sum())
 
     def _record(self, layer: Layer, counts: torch.Tensor, local_pairs: torch.Tensor) -> None:
+        if not self.active:
+            return
         self._counts[layer.index] = counts
         self._local[layer.index] = local_pairs
         if self.on_gate is not None:

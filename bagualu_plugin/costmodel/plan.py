@@ -18,6 +18,7 @@ class Plan(Mapping[OpId, str]):
         self._key: tuple[tuple[OpId, str], ...] | None = None
         self._blocks: dict[int, tuple[tuple[str, str], ...]] | None = None
         self._hash: int | None = None
+        self._named: tuple[tuple[str, str], ...] | None = None
         for key, strategy in (strategies or {}).items():
             op = key if isinstance(key, OpId) else OpId.parse(key)
             if strategy not in STRATEGIES:
@@ -64,6 +65,12 @@ class Plan(Mapping[OpId, str]):
                 grouped.setdefault(op.layer, []).append((op.name, strategy))
             self._blocks = {i: tuple(entries) for i, entries in grouped.items()}
         return self._blocks.get(layer, ())
+
+    def named(self) -> dict[str, str]:
+        """{"layer.op": strategy}, sorted: the plan as telemetry writes it (a new dict each time)."""
+        if self._named is None:
+            self._named = tuple((str(op), s) for op, s in self.key)
+        return dict(self._named)
 
     def strategy(self, op: OpId) -> str:
         return self._map.get(op, "keep")

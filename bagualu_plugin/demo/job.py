@@ -6,13 +6,13 @@ trusted. Every rank runs the same steps in the same order, or none goes on (`col
 from __future__ import annotations
 
 import ctypes
-import gc
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..collector import frozen
 from ..config import Recipe
 from ..costmodel import CostModel
 from ..parallel.launch import run_ranks
@@ -76,18 +76,16 @@ def demo_rank(
         for run in runs:
             run.close()
         return SetupError(error)
-    # What exists now (models, cost model, torch and HF modules) lives to the end: freeze it out
-    # of the collector, as long training loops do, or each full collection walks it all (0.2 s
-    # here, at random iterations of random policies)
-    gc.freeze()
+    # What exists now (models, cost model, torch and HF modules) lives to the end (`collector`):
+    # else each full collection walks it all (0.2 s here, at random iterations of random policies)
     try:
-        for it in range(steps):
-            for run in runs:
-                run.iteration(it)
-                if progress is not None and rank == hot:
-                    progress.put(1)
+        with frozen():
+            for it in range(steps):
+                for run in runs:
+                    run.iteration(it)
+                    if progress is not None and rank == hot:
+                        progress.put(1)
     finally:
-        gc.unfreeze()
         results = [run.close() for run in runs]
     return results
 

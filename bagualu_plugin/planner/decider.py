@@ -8,8 +8,9 @@ through this one class.
 
 A rank may plan several cost models, one per `key`: the model chunks of interleaved 1F1B (§VI-A)
 in the simulator, the kinds of forward a trainer runs (`runtime.boundaries.ForwardKind`) in the
-Provisioner. Algorithm 2 runs per key as one lazily extended path of plans (`PathPlanner`),
-answered in buckets of 1/16 of M0 and of the balanced routing; the gates' costs are kept per plan.
+Provisioner. Per key and micro-batch shape, the normal band is prepared once (`Band`): Algorithm
+2's whole path of plans (`PathPlanner.complete`, answered in buckets of 1/16 of M0 and of the
+balanced routing) and each plan's gates, so a micro-batch's decisions are lookups.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from typing import TYPE_CHECKING
 from ..costmodel.mitigation import MitigationOptions
 from ..costmodel.model import CostModel
 from ..costmodel.plan import Plan
-from .gate import GateDecision, GatePlan, LayerCost, escalated, gate_costs, plan_for_gates
-from .greedy import InfeasibleBudget, plan_micro_batch
+from .gate import GateDecision, GatePlan, escalated, gate_costs, plan_for_gates
+from .greedy import Decision, InfeasibleBudget, plan_micro_batch
 from .path import PathPlanner
 
 if TYPE_CHECKING:  # the stage is computed above the planner (its budgets are a BudgetState)
@@ -65,25 +66,52 @@ class Forward:
     escalations: list[Escalation] = field(default_factory=list)
 
 
+class Band:
+    """The normal routing band of one key's micro-batches of one shape (tokens, seq_len), prepared
+    once: Algorithm 2's whole path for it and each of its plans' `GatePlan`, so `Decider.begin`
+    computes no footprint. `planned` and `heaviest`: local routed pairs per MoE layer at the top
+    of the normal band and at `spike_max_imbalance`."""
+
+    def __init__(
+        self, planner: PathPlanner, tokens: int, seq_len: int | None, normal: float, heaviest: float,
+    ):
+        cm = planner.cm
+        self.balanced = tokens * cm.pairs_per_token
+        self.planned, self.heaviest = self.balanced * normal, self.balanced * heaviest
+        self._planner, self._shape = planner, (tokens, [self.planned] * len(cm.moe_layers), seq_len)
+        self.gates: dict[Decision, GatePlan] = {
+            d: GatePlan.of(d, gate_costs(cm, d.plan, tokens, seq_len, self.planned, planner.options), self.planned, self.heaviest)
+            for d in planner.complete(*self._shape)
+        }
+
+    def plan(self, budget: float) -> Decision:
+        """Algorithm 2's plan for `budget` (`PathPlanner.plan`)."""
+        tokens, routed, seq_len = self._shape
+        return self._planner.plan(budget, tokens, routed, seq_len)
+
+
 class Decider:
     """One rank's Algorithm 1 state and its Algorithm 2 and gate decisions (§V-A). `stage`: the
     rank's numbers (capacity, static bytes, M0, warmup depth, routing band, strategies); `costs`:
-    the cost model of each key (default: the stage's own under the key None)."""
+    the cost model of each key (default: the stage's own under the key None), each prepared at
+    the stage's micro-batch shape now; `bands`: the prepared bands of deciders on the same stage
+    to share (the simulator's systems decide on the same ranks)."""
 
-    def __init__(self, stage: Stage, costs: dict[Hashable, CostModel] | None = None):
+    def __init__(self, stage: Stage, costs: dict[Hashable, CostModel] | None = None, bands: dict | None = None):
         self.costs: dict[Hashable, CostModel] = dict(costs) if costs is not None else {None: stage.cost}
-        self._planners: dict[Hashable, PathPlanner] = {}
-        self._gates: dict[tuple, dict[int, LayerCost]] = {}
+        self._bands: dict[tuple, Band] = {} if bands is None else bands
         self._escalated: dict[tuple[Plan, int], Plan] = {}  # one Plan per escalation: caches of plans hit by identity
         self._quanta = (0, 0)
         self._use(stage)
         self.budgets = self.first.copy()
+        for key in self.costs:
+            self.band(key, stage.tokens, stage.recipe.batch.seq_len)
 
     def set_stage(self, stage: Stage) -> None:
         """Decide for `stage` from now on (its static bytes re-measured, or a larger M0 for a larger
         micro-batch): Algorithm 1 from its numbers, which checks that M0 fits (a ValueError with
         the numbers otherwise); the running iteration keeps its micro-batches' budgets, its used
-        bytes moved by the static bytes' change. Plans made stay cached unless the planner's
+        bytes moved by the static bytes' change. Bands prepared stay unless the planner's
         buckets move with M0 or the tokens."""
         moved = stage.static_bytes - self.stage.static_bytes
         self._use(stage)
@@ -96,11 +124,22 @@ class Decider:
         self.strategies, self.options = stage.recipe.strategies.allowed, stage.options
         quanta = (max(1, stage.min_budget // 16), max(1, int(stage.tokens * stage.cost.pairs_per_token) // 16))
         if quanta != self._quanta:
-            self._quanta, self._planners = quanta, {}
+            if self._quanta != (0, 0):
+                self._bands = {}  # no longer the shared ones: they were bucketed for other quanta
+            self._quanta = quanta
 
     def add(self, key: Hashable, cost: CostModel) -> None:
         """Plan micro-batches of `key` on `cost`."""
         self.costs[key] = cost
+
+    def band(self, key: Hashable, tokens: int, seq_len: int | None) -> Band:
+        """The prepared normal band of `key`'s micro-batches of `tokens` tokens (made on first use)."""
+        band = self._bands.get((key, tokens, seq_len))
+        if band is None:
+            budget_q, routed_q = self._quanta
+            planner = PathPlanner(self.costs[key], budget_q, routed_q, self.strategies, self.options)
+            band = self._bands[key, tokens, seq_len] = Band(planner, tokens, seq_len, self.normal, self.heaviest)
+        return band
 
     def start_iteration(self, held: int = 0) -> None:
         """Algorithm 1 starts over: nothing of the last iteration is live but `held` bytes (graphs
@@ -111,15 +150,9 @@ class Decider:
     def begin(self, k: int, tokens: int, seq_len: int | None, key: Hashable = None) -> Forward:
         """Forward k's budget and its plan for the normal band, for `tokens` tokens of `key`."""
         budget = self.budgets.budget(k)
-        cm = self.costs[key]
-        balanced = tokens * cm.pairs_per_token
-        planned, planner = balanced * self.normal, self._planner(key)
-        routed = [planned] * len(cm.moe_layers)
-        gates = plan_for_gates(
-            lambda b: planner.plan(b, tokens, routed, seq_len), lambda plan: self._gate_costs(key, plan, tokens, seq_len, planned),
-            budget, planned, balanced * self.heaviest,
-        )
-        return Forward(k, budget, gates, gates.decision.plan, gates.slack, self.budgets.headroom(k), balanced)
+        band = self._bands.get((key, tokens, seq_len)) or self.band(key, tokens, seq_len)
+        gates, slack = plan_for_gates(band.plan, band.gates.__getitem__, budget, band.planned, band.heaviest)
+        return Forward(k, budget, gates, gates.decision.plan, slack, self.budgets.headroom(k), band.balanced)
 
     def at_gate(self, f: Forward, layer: int, pairs: float) -> GateDecision:
         """Deferred planning: `pairs` local routed pairs reached `layer`'s experts, which have not
@@ -140,20 +173,6 @@ class Decider:
     def end(self, f: Forward, actual: int) -> None:
         """Forward `f` kept `actual` bytes (its reload room included): its budget becomes that."""
         self.budgets.record(f.k, actual)
-
-    def _planner(self, key: Hashable) -> PathPlanner:
-        planner = self._planners.get(key)
-        if planner is None:
-            budget_q, routed_q = self._quanta
-            planner = self._planners[key] = PathPlanner(self.costs[key], budget_q, routed_q, self.strategies, self.options)
-        return planner
-
-    def _gate_costs(self, key: Hashable, plan: Plan, tokens: int, seq_len: int | None, planned: float) -> dict[int, LayerCost]:
-        memo = (key, plan, tokens, seq_len)
-        costs = self._gates.get(memo)
-        if costs is None:  # as few as the planner's cached decisions
-            costs = self._gates[memo] = gate_costs(self.costs[key], plan, tokens, seq_len, planned, self.options)
-        return costs
 
 
 def static_plan(

@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
 
 from ..costmodel import CostModel, OpId
 from ..costmodel.graph import COMM_OPS
@@ -78,45 +77,52 @@ class Schedule:
 
 def solve(stages: Stages) -> Schedule:
     """The DP of §V-B over the four classes' stage prefixes (fewer classes are allowed: an empty
-    stage list). O(prod(n_c + 1)^2) transitions: fine for the handful of stages compaction leaves."""
+    stage list). O(prod(n_c + 1)^2) transitions: fine for the handful of stages compaction leaves.
+    States run in product order (every prefix before the states it grows into); a state's best
+    is its first cheapest predecessor in product order. The loops nest one class per level, so a
+    transition's stream totals are summed class by class as the levels go down."""
     lists = [tuple(run) for run in stages]
     if len(lists) != len(CLASSES):
         raise ValueError(f"give one stage list per class {CLASSES}, got {len(lists)}")
     sizes = tuple(len(run) for run in lists)
-    prefix = [[(0.0, 0.0, 0.0)] for _ in lists]  # per class: cumulative (compute, copy, both)
-    for c, run in enumerate(lists):
+    spans = []  # per class: spans[c][start][end] = (compute, copy, both) of stages start..end-1
+    for run in lists:
+        prefix = [(0.0, 0.0, 0.0)]
         for s in run:
-            a, b, ab = prefix[c][-1]
-            prefix[c].append((a + s.compute_s, b + s.copy_s, ab + s.compute_s + s.copy_s))
-
-    def cost(start: tuple[int, ...], end: tuple[int, ...]) -> float:
-        compute = copy = chain = 0.0
-        for c in range(len(lists)):
-            lo, hi = prefix[c][start[c]], prefix[c][end[c]]
-            compute += hi[0] - lo[0]
-            copy += hi[1] - lo[1]
-            chain = max(chain, hi[2] - lo[2])
-        return max(compute, copy, chain)
-
-    @cache
-    def best(end: tuple[int, ...]) -> tuple[float, tuple[int, ...] | None]:
+            a, b, ab = prefix[-1]
+            prefix.append((a + s.compute_s, b + s.copy_s, ab + s.compute_s + s.copy_s))
+        spans.append([[(hi[0] - lo[0], hi[1] - lo[1], hi[2] - lo[2]) for hi in prefix] for lo in prefix])
+    s0, s1, s2, s3 = spans
+    best: dict[tuple[int, ...], tuple[float, tuple[int, ...] | None]] = {}
+    for end in itertools.product(*(range(n + 1) for n in sizes)):
         if not any(end):
-            return 0.0, None
-        found = (float("inf"), None)
-        for start in itertools.product(*(range(e + 1) for e in end)):
-            if start == end:
-                continue
-            total = best(start)[0] + cost(start, end)
-            if total < found[0]:
-                found = (total, start)
-        return found
-
-    total, windows, end = best(sizes)[0], [], sizes
+            best[end] = (0.0, None)
+            continue
+        e0, e1, e2, e3 = end
+        found, where = float("inf"), None
+        for a in range(e0 + 1):
+            x0, y0, z0 = s0[a][e0]
+            x0, y0, z0 = 0.0 + x0, 0.0 + y0, max(0.0, z0)
+            for b in range(e1 + 1):
+                x, y, z = s1[b][e1]
+                x1, y1, z1 = x0 + x, y0 + y, max(z0, z)
+                for c in range(e2 + 1):
+                    x, y, z = s2[c][e2]
+                    x2, y2, z2 = x1 + x, y1 + y, max(z1, z)
+                    for d in range(e3 + 1):
+                        start = (a, b, c, d)
+                        if start == end:
+                            continue
+                        x, y, z = s3[d][e3]
+                        total = best[start][0] + max(x2 + x, y2 + y, max(z2, z))
+                        if total < found:
+                            found, where = total, start
+        best[end] = (found, where)
+    total, windows, end = best[sizes][0], [], sizes
     while any(end):
-        start = best(end)[1]
+        start = best[end][1]
         windows.append(tuple(zip(start, end)))
         end = start
-    best.cache_clear()
     return Schedule(total, tuple(reversed(windows)), sum(window_time([run]) for run in lists))
 
 
@@ -140,15 +146,17 @@ def brute_force(stages: Stages) -> float:
 class ScheduleCache:
     """Schedules of the fused points as the executor runs them (§V-B "runtime solving"), on a rank
     holding model `chunks` (one without interleaving), routing balanced. A point is solved one
-    block at a time (`solve_blocks`), and a block's part depends only on the four classes' plan
-    entries for the blocks they run at that position: parts are cached on exactly that, so two
-    points that differ in one block's plan solve one block again; a point seen before is one
-    lookup on its four plans. The fused executor and the simulator (`sim`) both use it."""
+    block at a time (`solve_blocks`). Each class's stages at a block depend only on its model
+    chunk, the block and its plan's entries for that block: they are computed once each; a
+    block's part is solved once per four classes' stages; a point seen before is one lookup on
+    its four plans. The fused executor and the simulator (`sim`) both use it."""
 
     def __init__(self, chunks: Sequence[CostModel], options: MitigationOptions = MitigationOptions()):
         self.chunks, self.options = tuple(chunks), options
-        self._parts: dict[Hashable, tuple[Schedule, tuple[int, ...]]] = {}
+        self._parts: dict[tuple, tuple[Schedule, tuple[int, ...]]] = {}  # by the four classes' stages
+        self._stages: dict[tuple, tuple[StageTime, ...]] = {}  # by (class, chunk, block, entries, tokens, seq_len)
         self._points: dict[Hashable, tuple[Schedule, int]] = {}  # whole points seen, by their plans (hashed once each), and their blocks
+        self._positions: dict[tuple[int, ...], list[tuple[int | None, ...]]] = {}
         self._loads: dict[tuple, list] = {}
         self.hits = self.misses = 0  # blocks
 
@@ -156,28 +164,44 @@ class ScheduleCache:
         """The point F_x B_y whose four classes run model chunks `which` under `plans` (x, y, x-1,
         y+1; None for a micro-batch the point does not touch): its schedule, and whether every
         block's part came from the cache."""
-        point = (tokens, seq_len, tuple(which), *plans)
+        which = tuple(which)
+        point = (tokens, seq_len, which, *plans)
         seen = self._points.get(point)
         if seen is not None:
             self.hits += seen[1]
             return seen[0], True
-        models = [self.chunks[c] for c in which]
+        positions = self._positions.get(which)
+        if positions is None:
+            positions = self._positions[which] = _positions([self.chunks[c] for c in which])
         parts, hit = [], True
-        for blocks in _positions(models):
-            entries = tuple(plan.block(i) if plan is not None and i is not None else () for plan, i in zip(plans, blocks))
-            key = (tokens, seq_len, tuple(which), blocks, entries)
-            part = self._parts.get(key)
+        for blocks in positions:
+            stages = tuple(
+                self._class_stages(c, which[c], i, plan.block(i) if plan is not None and i is not None else (), tokens, seq_len)
+                for c, (plan, i) in enumerate(zip(plans, blocks))
+            )
+            part = self._parts.get(stages)
             if part is None:
                 self.misses, hit = self.misses + 1, False
-                loads = [self._load(c, tokens, seq_len) for c in which]
-                stages = piece_stages([_block_stages(models, loads, entries, blocks, self.options)])[0]
-                part = self._parts[key] = (solve(stages), tuple(len(run) for run in stages))
+                part = self._parts[stages] = (solve(stages), tuple(len(run) for run in stages))
             else:
                 self.hits += 1
             parts.append(part)
         schedule = _joined(parts)
         self._points[point] = schedule, len(parts)
         return schedule, hit
+
+    def _class_stages(
+        self, c: int, chunk: int, block: int | None, entries: tuple[tuple[str, str], ...], tokens: int, seq_len: int | None,
+    ) -> tuple[StageTime, ...]:
+        """Class c's stages at `block` of `chunk` under its plan's `entries`, as an executor runs
+        them (`piece_stages`): computed once."""
+        key = (c, chunk, block, entries, tokens, seq_len)
+        stages = self._stages.get(key)
+        if stages is None:
+            model = self.chunks[chunk]
+            run = _class_stages(c, model, self._load(chunk, tokens, seq_len), entries, block, self.options)
+            stages = self._stages[key] = tuple(_piece(c, run))
+        return stages
 
     def _load(self, chunk: int, tokens: int, seq_len: int | None) -> list:
         key = (chunk, tokens, seq_len)
@@ -198,40 +222,36 @@ def _positions(models: Sequence[CostModel]) -> list[tuple[int | None, ...]]:
     return [tuple(order[k] if k < len(order) else None for order in orders) for k in range(max(map(len, orders)))]
 
 
-def _block_stages(
-    models: Sequence[CostModel], loads: Sequence[Sequence], entries: Sequence[tuple[tuple[str, str], ...]],
-    blocks: Sequence[int | None], options: MitigationOptions,
-) -> list[list[StageTime]]:
-    """The four classes' stages at one position of a point (`point_stages`' element): class c runs
-    block `blocks[c]` of its model (None: past its chunk's end, no stages) under its plan's
-    `entries` for that block."""
+def _class_stages(
+    c: int, model: CostModel, loads: Sequence, entries: tuple[tuple[str, str], ...], i: int | None, options: MitigationOptions,
+) -> list[StageTime]:
+    """Class c's stages at one position of a point (an element of `point_stages`' entries): it
+    runs block `i` of `model` (None: past its chunk's end, no stages) under its plan's `entries`
+    for that block."""
+    if i is None:
+        return []
+    block, load = model.blocks[i], loads[i]
 
-    def extra(c: int, only: str) -> Footprint:
-        i = blocks[c]
-        mine = {name: s for name, s in entries[c] if s == only}
-        return footprint(models[c].blocks[i], mine, loads[c][i], models[c].hardware, options)
+    def extra(only: str) -> Footprint:
+        return footprint(block, {name: s for name, s in entries if s == only}, load, model.hardware, options)
 
-    def ops(c: int, reverse: bool) -> list[StageTime]:
-        i, block = blocks[c], models[c].blocks[blocks[c]]
+    def ops(reverse: bool) -> list[StageTime]:
         out = []
         for op in (reversed(block.ops) if reverse else block.ops):
-            t = (op.backward_s if reverse else op.forward_s).at(loads[c][i])
+            t = (op.backward_s if reverse else op.forward_s).at(load)
             out.append(StageTime(copy_s=t) if op.name in COMM_OPS else StageTime(compute_s=t))
         return out
 
-    def forward() -> list[StageTime]:
-        return [StageTime(compute_s=extra(0, "fp8").forward_extra_s), *ops(0, reverse=False)]
-
-    def backward() -> list[StageTime]:
-        return [*ops(1, reverse=True), StageTime(compute_s=extra(1, "fp8").backward_extra_s)]
-
-    def offload() -> list[StageTime]:
-        return [StageTime(copy_s=extra(2, "offload").forward_extra_s)]
-
-    def recovery() -> list[StageTime]:
-        return [StageTime(copy_s=extra(3, "offload").backward_extra_s), StageTime(compute_s=extra(3, "recompute").backward_extra_s)]
-
-    return [_compact(build()) if blocks[c] is not None else [] for c, build in enumerate((forward, backward, offload, recovery))]
+    if c == 0:  # F: x's forward, with its FP8 casts
+        stages = [StageTime(compute_s=extra("fp8").forward_extra_s), *ops(reverse=False)]
+    elif c == 1:  # B: y's backward, with its casts back
+        stages = [*ops(reverse=True), StageTime(compute_s=extra("fp8").backward_extra_s)]
+    elif c == 2:  # O: x-1's offload copies
+        stages = [StageTime(copy_s=extra("offload").forward_extra_s)]
+    else:  # R: y+1's reloads, then its recompute
+        recovery = (extra("offload").backward_extra_s, extra("recompute").backward_extra_s)
+        stages = [StageTime(copy_s=recovery[0]), StageTime(compute_s=recovery[1])]
+    return _compact(stages)
 
 
 def point_stages(
@@ -265,13 +285,16 @@ def point_stages(
     loads = [model.loads(tokens, routed, seq_len) for model in models]
     plans = [Plan(plan) for plan in (forward, backward, offload, recovery)]
     return [
-        _block_stages(models, loads, [plan.block(i) if i is not None else () for plan, i in zip(plans, blocks)], blocks, options)
+        [
+            _class_stages(c, model, load, plan.block(i) if i is not None else (), i, options)
+            for c, (model, load, plan, i) in enumerate(zip(models, loads, plans, blocks))
+        ]
         for blocks in _positions(models)
     ]
 
 
 def solve_blocks(blocks: Sequence[Stages]) -> Schedule:
-    """A scheduling point solved one block at a time (`point_stages`' elements) and joined: the
+    """A scheduling point solved one block at a time (`point_stages`' entriess) and joined: the
     windows never cross a block boundary, which keeps each DP at a few stages per class."""
     return _joined([(solve(stages), tuple(len(run) for run in stages)) for stages in blocks])
 
@@ -288,19 +311,17 @@ def _joined(parts: Sequence[tuple[Schedule, tuple[int, ...]]]) -> Schedule:
 
 
 def piece_stages(blocks: Sequence[Stages]) -> list[list[list[StageTime]]]:
-    """`point_stages`' blocks at the granularity an executor runs them: per block, F and B one
-    stage each (a block's forward or backward is one autograd piece; its all-to-alls run inside
-    it, their time on the copy stream), O one stage (x-1's copies), R two, its reloads then its
-    recompute (an executor issues them apart, so the copies can run under other work)."""
+    """`point_stages`' blocks at the granularity an executor runs them (`_piece`)."""
+    return [[_piece(c, run) for c, run in enumerate(stages)] for stages in blocks]
 
-    def merged(run: Sequence[StageTime]) -> StageTime:
-        return StageTime(sum(s.compute_s for s in run), sum(s.copy_s for s in run))
 
-    out = []
-    for f, b, o, r in blocks:
-        recovery = merged(r)
-        out.append([[merged(f)], [merged(b)], [merged(o)], [StageTime(copy_s=recovery.copy_s), StageTime(compute_s=recovery.compute_s)]])
-    return out
+def _piece(c: int, run: Sequence[StageTime]) -> list[StageTime]:
+    """Class c's stages of one block as an executor runs them: F and B one stage each (a block's
+    forward or backward is one autograd piece; its all-to-alls run inside it, their time on the
+    copy stream), O one stage (x-1's copies), R two, its reloads then its recompute (an executor
+    issues them apart, so the copies can run under other work)."""
+    merged = StageTime(sum(s.compute_s for s in run), sum(s.copy_s for s in run))
+    return [merged] if c < 3 else [StageTime(copy_s=merged.copy_s), StageTime(compute_s=merged.compute_s)]
 
 
 def joined(blocks: Sequence[Stages]) -> list[list[StageTime]]:

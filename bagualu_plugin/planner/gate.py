@@ -100,14 +100,26 @@ def gate_costs(
 @dataclass(frozen=True)
 class GatePlan:
     """A micro-batch's plan for the normal band and what its gates weigh: per MoE layer its
-    `LayerCost`, and `after[layer]`, the bytes the later layers' gates may need (`at_gate`'s
-    `reserve`)."""
+    `LayerCost`, `after[layer]`, the bytes the later layers' gates may need (`at_gate`'s
+    `reserve`), and `need`, what all its gates may need once escalated at the heaviest routing.
+    It depends on the plan alone, never on the budget, so a caller keeps one per plan."""
 
     decision: Decision
     costs: Mapping[int, LayerCost]
     after: Mapping[int, float]
-    slack: float  # the budget less what the plan keeps and its reload room
     planned: float  # local routed pairs per MoE layer the plan was made for
+    need: float
+
+    @classmethod
+    def of(cls, decision: Decision, costs: Mapping[int, LayerCost], planned: float, heaviest: float) -> GatePlan:
+        """`decision`'s gates, each leaving room for its escalation at `heaviest` pairs:
+        max(0, `LayerCost.escalation_bytes`)."""
+        need = {layer: max(0.0, c.escalation_bytes(heaviest, planned)) for layer, c in costs.items()}
+        after, later = {}, 0.0
+        for layer in sorted(need, reverse=True):
+            after[layer] = later
+            later += need[layer]
+        return cls(decision, costs, after, planned, sum(need.values()))
 
     def at_gate(self, layer: int, pairs: float, slack: float, headroom: float) -> GateDecision:
         """`at_gate` for `layer` when `pairs` local routed pairs arrive, with the micro-batch's
@@ -117,36 +129,32 @@ class GatePlan:
 
 
 def plan_for_gates(
-    plan: Callable[[float], Decision], costs: Callable[[Plan], Mapping[int, LayerCost]], budget: float, planned: float, heaviest: float
-) -> GatePlan:
+    plan: Callable[[float], Decision], gates: Callable[[Decision], GatePlan], budget: float, planned: float, heaviest: float
+) -> tuple[GatePlan, float]:
     """Algorithm 2 for the normal band (`plan(budget)`, at `planned` local pairs per MoE layer),
     at a budget that leaves each layer's gate what it may need once escalated at `heaviest`
-    pairs: max(0, `LayerCost.escalation_bytes`). When the first plan leaves less, Algorithm 2
-    runs again at the budget less those bytes; as the plan mitigates more the escalations save
-    less, so this repeats until a plan leaves its own gates' bytes (each round's needs exceed the
-    last's, and plans are finitely many). If the budget cannot hold that much, the last plan is
-    the best there is: its gates escalate and the overrun is the caller's to report. If no plan
-    fits the budget even at `planned` pairs, the plan is the most Algorithm 2 can save
-    (`InfeasibleBudget.best`, its slack negative): lighter routing than planned may still fit."""
+    pairs (`gates(decision)`, a `GatePlan.of`, its `need`). When the first plan leaves less,
+    Algorithm 2 runs again at the budget less those bytes; as the plan mitigates more the
+    escalations save less, so this repeats until a plan leaves its own gates' bytes (each round's
+    needs exceed the last's, and plans are finitely many). If the budget cannot hold that much,
+    the last plan is the best there is: its gates escalate and the overrun is the caller's to
+    report. If no plan fits the budget even at `planned` pairs, the plan is the most Algorithm 2
+    can save (`InfeasibleBudget.best`, its slack negative): lighter routing than planned may
+    still fit. Returns the plan's gates and its slack: the budget less what the plan keeps and
+    its reload room."""
     try:
         decision = plan(budget)
     except InfeasibleBudget as exc:
         decision = exc.best
     while True:
-        layer_costs = costs(decision.plan)
-        need = {layer: max(0.0, c.escalation_bytes(heaviest, planned)) for layer, c in layer_costs.items()}
+        chosen = gates(decision)
         slack = budget - decision.activation_bytes - decision.reload_bytes
-        if slack >= sum(need.values()) or heaviest <= planned:
-            break
+        if slack >= chosen.need or heaviest <= planned:
+            return chosen, slack
         try:
-            tighter = plan(budget - sum(need.values()))
+            tighter = plan(budget - chosen.need)
         except InfeasibleBudget:
-            break
+            return chosen, slack
         if tighter.plan == decision.plan:
-            break
+            return chosen, slack
         decision = tighter
-    after, later = {}, 0.0
-    for layer in sorted(need, reverse=True):
-        after[layer] = later
-        later += need[layer]
-    return GatePlan(decision, layer_costs, after, slack, planned)

@@ -70,29 +70,46 @@ class PathPlanner:
     def plan(self, budget: float, tokens: int, routed: Sequence[float] | None = None, seq_len: int | None = None) -> Decision:
         """`plan_micro_batch` at the budget rounded down and the routing (pairs per MoE layer)
         rounded up: the first plan on the path that fits, else the greedy's end."""
-        q = self.routed_quantum
-        pairs = None if routed is None else tuple(-(-int(r) // q) * q for r in routed)  # round up
         floor = int(budget // self.budget_quantum) * self.budget_quantum
         self.answers += 1
+        key, path = self._path(tokens, routed, seq_len, floor)
+        i = bisect_left(path.negated, -floor)
+        if i == len(path.negated):
+            i = self._extend(key, path, floor)
+        if i < len(path.decisions):
+            return path.decisions[i]
+        fallback = self._fallback(key, path)
+        if fallback is not None and fallback[0].needed_bytes <= floor:
+            return fallback[1]
+        raise _infeasible(floor, tokens, self.strategies, -path.negated[-1], path.decisions[-1])  # new each time
+
+    def complete(self, tokens: int, routed: Sequence[float] | None = None, seq_len: int | None = None) -> list[Decision]:
+        """Every plan `plan` can answer for this shape and routing, computed now (the whole path
+        and its full-recompute fallback), so later budgets are answered without a footprint."""
+        key, path = self._path(tokens, routed, seq_len, float("-inf"))
+        self._extend(key, path, float("-inf"))
+        fallback = self._fallback(key, path)
+        return path.decisions + ([fallback[1]] if fallback is not None else [])
+
+    def _path(self, tokens: int, routed: Sequence[float] | None, seq_len: int | None, floor: float) -> tuple[_Key, _Path]:
+        q = self.routed_quantum
+        pairs = None if routed is None else tuple(-(-int(r) // q) * q for r in routed)  # round up
         key = (tokens, seq_len, pairs)
         path = self._paths.get(key)
         if path is None:
             path = _Path(greedy_path(self.cm, tokens, pairs, seq_len, self.strategies, self.options, memo := {}), memo)
             self._extend(key, path, floor)  # a bad query raises here and leaves no path behind
             self._paths[key] = path
-        i = bisect_left(path.negated, -floor)
-        if i == len(path.negated):
-            i = self._extend(key, path, floor)
-        if i < len(path.decisions):
-            return path.decisions[i]
-        last = path.decisions[-1]
+        return key, path
+
+    def _fallback(self, key: _Key, path: _Path) -> tuple[Footprint, Decision] | None:
+        """Full recompute past the path's end, where allowed (computed once)."""
         if not path.fallback_known:
-            path.fallback = _full_recompute(self.cm, tokens, pairs, seq_len, self.strategies, self.options, last.steps)
+            tokens, seq_len, pairs = key
+            path.fallback = _full_recompute(self.cm, tokens, pairs, seq_len, self.strategies, self.options, path.decisions[-1].steps)
             path.fallback_known = True
             self.footprints += len(self.cm.blocks) if path.fallback is not None else 0
-        if path.fallback is not None and path.fallback[0].needed_bytes <= floor:
-            return path.fallback[1]
-        raise _infeasible(floor, tokens, self.strategies, -path.negated[-1], last)  # new each time
+        return path.fallback
 
     def _extend(self, key: _Key, path: _Path, floor: float) -> int:
         """Compute the path's next plans until one needs at most `floor` bytes (its index) or the

@@ -238,6 +238,11 @@ class Ledger:
         wraps or replaces them after it was made (DDP, FSDP2: see `refresh`)."""
         return cls(model=model, **kw)
 
+    @property
+    def modules(self) -> frozenset[nn.Module]:
+        """The model's modules at the last walk (`refresh`): a new set only when they changed."""
+        return self._tree
+
     def refresh(self) -> None:
         """Walk the model again: its parameters get new storages (and maybe a device) when it moves
         after the ledger was made (`.cuda()`, `.to(dtype)`, DDP's `prepare`), or new objects

@@ -65,6 +65,7 @@ class PlanRuntime:
         )
         self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options, HostPool())
         self._regions: dict[tuple[int, tuple[str, ...]], frozenset[str]] = {}
+        self._plans: dict[Plan, dict[tuple[int, tuple[str, ...]], frozenset[str]]] = {}  # set_plan's, per plan
         self._ops = frozenset(self.adapter.ops())  # set_plan runs per micro-batch: list them once
         self._frames: dict[tuple[int | None, int], list[weakref.ref]] = {}  # (micro-batch, layer): its live regions
         self._stack: ExitStack | None = None
@@ -75,8 +76,17 @@ class PlanRuntime:
         return self.hooks.plan
 
     def set_plan(self, plan: Mapping) -> None:
-        """Follow `plan` from now on (validated first: unknown ops, units that cannot recompute)."""
+        """Follow `plan` from now on (validated first: unknown ops, units that cannot recompute).
+        A plan is validated and its regions found once: the planner hands out few plans, again
+        and again."""
         plan = plan if isinstance(plan, Plan) else Plan(plan)
+        regions = self._plans.get(plan)
+        if regions is None:
+            regions = self._plans[plan] = self._regions_of(plan)
+        self._regions, self.hooks.plan = regions, plan
+
+    def _regions_of(self, plan: Plan) -> dict[tuple[int, tuple[str, ...]], frozenset[str]]:
+        """The checkpoint regions of `plan`'s recompute, per (layer, ops): what each drops."""
         unknown = [str(op) for op in plan if op not in self._ops]
         if unknown:
             raise KeyError(f"plan names ops this {self.adapter.family.model_type} model does not have: {', '.join(unknown)}")
@@ -95,7 +105,7 @@ class PlanRuntime:
                 ) from None
             for region in covered:
                 regions[(layer, region.ops)] = frozenset(region.dropped)
-        self._regions, self.hooks.plan = regions, plan
+        return regions
 
     def install(self) -> PlanRuntime:
         a, stack = self.adapter, ExitStack()
@@ -201,9 +211,11 @@ class PlanRuntime:
         return run
 
     @contextmanager
-    def forward(self) -> Iterator[Ledger]:
+    def forward(self, refresh: bool = True) -> Iterator[Ledger]:
         """The plan for the training forward passes inside the block: the "bagualu" experts, no KV
         cache (recomputation would update it again), the op scopes and the saved-tensor hooks.
+        `refresh`: first have the Ledger walk the model again if it changed (a caller that checks
+        once per iteration passes False for the other micro-batches).
         Outside it the model runs as it would without the plugin (evaluation, `generate` with its
         KV cache and transformers' own choice of experts kernel for decoding): the hooks `install`
         put on its modules return at once there. A recompute replaying after the block sees no op
@@ -215,7 +227,8 @@ class PlanRuntime:
             raise ValueError("PlanRuntime.forward(): a forward is running already (the block does not nest)")
         if self._stack is None:
             raise ValueError("PlanRuntime.forward(): call install() first (it puts the op scopes on the model)")
-        self.ledger.refresh_if_changed()  # the model may have moved since (`.cuda()` after the runtime was built)
+        if refresh:
+            self.ledger.refresh_if_changed()  # the model may have moved since (`.cuda()` after the runtime was built)
         self.hooks.new_forward()  # also where no model forward runs (a pipeline stage runs its modules)
         with ExitStack() as stack:
             stack.enter_context(self._flag())

@@ -94,7 +94,7 @@ class _Forward:
 
     event: Event
     decided: Forward  # its budget, plan and gates (`planner.decider`)
-    hooks: ExitStack  # the plan's hooks and the gate monitor, entered
+    hooks: ExitStack  # the plan's hooks entered and the gate monitor on, until the forward ends
 
 
 def _check_expert_group(adapter: Adapter, recipe: Recipe) -> None:
@@ -108,25 +108,37 @@ def _check_expert_group(adapter: Adapter, recipe: Recipe) -> None:
         raise ValueError(f"recipe parallel.ep={par.ep}, parallel.ep_rank={par.ep_rank}, but the model is {where}: {hint}")
 
 
-def _check_recompute_owner(adapter: Adapter) -> None:
-    """Per-operator recompute is ours: HF's gradient checkpointing or a checkpoint wrapper (what
-    accelerate's `fsdp_activation_checkpointing` and torch's `apply_activation_checkpointing`
-    install) would recompute the same layers a second time, under their own rules."""
-    model = adapter.model
-    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
-    if getattr(model, flag, False):
-        raise ValueError(
-            "the model has HF gradient checkpointing enabled (gradient_checkpointing_enable() or "
-            "activation_checkpointing_enable()) and bgl.apply plans recompute per operator: disable it "
-            "(gradient_checkpointing_disable())"
-        )
-    wrapped = [name for name, module in model.named_modules() if type(module).__name__ == "CheckpointWrapper"]
-    if wrapped:
-        raise ValueError(
-            f"modules {wrapped[:3]}{' ...' if len(wrapped) > 3 else ''} are wrapped for activation checkpointing "
-            "(accelerate's fsdp_activation_checkpointing, or torch's apply_activation_checkpointing) and bgl.apply plans "
-            "recompute per operator: turn fsdp_activation_checkpointing off"
-        )
+class _RecomputeOwner:
+    """Per-operator recompute is ours: HF's gradient checkpointing (a `gradient_checkpointing`
+    flag on the modules that carry one, what `is_activation_checkpointing` reads) or a checkpoint
+    wrapper (what accelerate's `fsdp_activation_checkpointing` and torch's
+    `apply_activation_checkpointing` install) would recompute the same layers a second time,
+    under their own rules. `check` runs at build and at each iteration's first micro-batch
+    (enabled or wrapped after bgl.apply); it walks the modules only when they changed (a wrapper
+    is a registration: the Ledger's walk sees it), else it reads the few flags."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._tree: frozenset[nn.Module] | None = None
+        self._flagged: tuple[nn.Module, ...] = ()
+
+    def check(self, modules: frozenset[nn.Module]) -> None:
+        if modules is not self._tree:
+            wrapped = [name for name, module in self.model.named_modules() if type(module).__name__ == "CheckpointWrapper"]
+            if wrapped:
+                raise ValueError(
+                    f"modules {wrapped[:3]}{' ...' if len(wrapped) > 3 else ''} are wrapped for activation checkpointing "
+                    "(accelerate's fsdp_activation_checkpointing, or torch's apply_activation_checkpointing) and bgl.apply "
+                    "plans recompute per operator: turn fsdp_activation_checkpointing off"
+                )
+            self._flagged = tuple(m for m in modules if hasattr(m, "gradient_checkpointing"))
+            self._tree = modules
+        if any(m.gradient_checkpointing for m in self._flagged):
+            raise ValueError(
+                "the model has HF gradient checkpointing enabled (gradient_checkpointing_enable() or "
+                "activation_checkpointing_enable()) and bgl.apply plans recompute per operator: disable it "
+                "(gradient_checkpointing_disable())"
+            )
 
 
 class Provisioner:
@@ -137,7 +149,8 @@ class Provisioner:
         adapter = Adapter(model)
         if getattr(adapter.model, INSTALLED_ATTR, None) is not None:
             raise ValueError("bgl.apply: this model has a Provisioner installed already; call .remove() on it first")
-        _check_recompute_owner(adapter)
+        self._owner = _RecomputeOwner(adapter.model)
+        self._owner.check(frozenset(adapter.model.modules()))
         _check_expert_group(adapter, recipe)
         self.runtime = PlanRuntime(
             model,
@@ -161,7 +174,8 @@ class Provisioner:
         self.phases = {s.micro_batch: s.phase for s in stage.schedule if s.kind == "F"}
         self.executor = None  # the fused executor engines run this stage through (`runtime.dual_batch`), made on first use
         self.runtime.install()
-        self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate)  # installed while a forward runs
+        self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate).install()  # active while a forward runs
+        self.gate.active = False
         self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
         # the latest micro-batches' events (a long run would otherwise grow without bound) and
         # running totals over all of them
@@ -262,7 +276,8 @@ class Provisioner:
         if self._forward is not None:
             raise ValueError(f"begin_forward({mb}): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
         if mb == 0:  # a new iteration: Algorithm 1 starts over, with nothing left of the last one
-            _check_recompute_owner(self.runtime.adapter)  # enabled or wrapped after bgl.apply
+            self.ledger.refresh_if_changed()  # the model moved or was wrapped since (`.cuda()`, DDP's prepare)
+            self._owner.check(self.ledger.modules)
             if self._awaiting_backward:
                 raise ValueError(
                     f"begin_forward(0): micro-batches {sorted(self._awaiting_backward)} of the last iteration await end_backward"
@@ -293,15 +308,15 @@ class Provisioner:
                 RuntimeWarning, stacklevel=2,
             )
         self.runtime.set_plan(decision.plan)
-        plan = {str(op): s for op, s in decision.plan.key}
         event = Event(
-            mb, scheduled, budget, decision.activation_bytes, plan, decided.escalations, decided.deferred, tokens, seq_len,
+            mb, scheduled, budget, decision.activation_bytes, decision.plan.named(), decided.escalations, decided.deferred, tokens, seq_len,
             decision.reload_bytes, routed=decided.routed, balanced_pairs=decided.balanced, kind=kind._asdict(),
         )
         self.ledger.micro_batch = mb
         hooks = ExitStack()
-        hooks.enter_context(self.runtime.forward())
-        hooks.enter_context(self.gate)
+        hooks.enter_context(self.runtime.forward(refresh=False))
+        hooks.callback(setattr, self.gate, "active", False)
+        self.gate.active = True
         self._forward = _Forward(event, decided, hooks)
         event.planner_s = time.perf_counter() - start
         return event

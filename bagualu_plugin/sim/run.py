@@ -17,6 +17,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..collector import frozen
 from ..config import Recipe
 from ..costmodel import MicroBatchCost, iteration_curve
 from ..costmodel.dims import ModelDims, param_count
@@ -146,16 +147,17 @@ def simulate(recipe: Recipe, iterations: int = 100, seed: int | None = None, pre
         lost = sum(t is None for t, _ in timeline)
         return system.name, len(times) * tokens / elapsed if times else 0.0, crashes, mean, lost, each
 
-    rows = [run(system) for system in every]
+    levels, previous = [], None
+    with frozen():  # the systems' prepared plans live to the end: no full collection inside a timed decision
+        rows = [run(system) for system in every]
+        for name, rate, crashes, *_ in (run(system) for system in ablation(recipe, trace, ranks)):
+            levels.append(Level(name, rate, crashes, rate / previous if previous else 1.0))
+            previous = rate
     best = max(rate for name, rate, *_ in rows if name != "bagualu")
     outcomes = [
         Outcome(name, mfu(recipe, rate), rate, crashes, rate / best if best else float("inf"), mean, lost, each)
         for name, rate, crashes, mean, lost, each in rows
     ]
-    levels, previous = [], None
-    for name, rate, crashes, *_ in (run(system) for system in ablation(recipe, trace)):
-        levels.append(Level(name, rate, crashes, rate / previous if previous else 1.0))
-        previous = rate
     decisions = every[0].decision_s  # bagualu's
     seed = recipe.spikes.seed if seed is None else seed
     return Simulation(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..config import Recipe
 from ..costmodel.pipeline import Step, fused_points
@@ -44,6 +44,7 @@ class Rank:
     stage: Stage
     costs: tuple[StageCosts, ...]
     positions: tuple[tuple[int, ...], ...]
+    bands: dict = field(default_factory=dict, compare=False, repr=False)  # its deciders' prepared bands, shared
 
     def imbalance(self, trace: Trace, it: int, mb: int) -> list[tuple[float, ...]]:
         """Per chunk, the routing of its MoE layers in micro-batch `mb` of iteration `it`."""
@@ -139,7 +140,7 @@ class _Decider:
     def __init__(self, rank: Rank, fused: bool = True):
         s = self.stage = rank.stage
         self.rank, self.vp = rank, len(rank.costs)
-        self.decider = Decider(s, {c: costs.cm for c, costs in enumerate(rank.costs)})
+        self.decider = Decider(s, {c: costs.cm for c, costs in enumerate(rank.costs)}, rank.bands)
         self.schedules = ScheduleCache(s.chunks, s.options) if fused and s.recipe.pipeline.pp > 2 else None
         self.forwards = [(f.micro_batch, f.chunk) for f in s.schedule if f.kind == "F"]
         self.points = _points(s.schedule)
@@ -203,12 +204,13 @@ def _points(schedule: list[Step]) -> list[tuple[Unit, Unit, Unit | None, Unit | 
 LEVELS = ("L1", "L2", "L3", "L4")
 
 
-def ablation(recipe: Recipe, trace: Trace) -> list[System]:
+def ablation(recipe: Recipe, trace: Trace, rs: Sequence[Rank] | None = None) -> list[System]:
     """Fig. 11's levels, each adding one of BaGuaLu-2's parts (§VI-D), none of which crashes:
     L1 the coarse, layer-level policy (every layer recomputed); L2 static fine-grained mitigation,
     one Algorithm 2 plan per stage for the trace's worst routing; L3 dynamic mitigation (budgets,
-    plans per micro-batch, the gate); L4 with the fused dual-batch points."""
-    rs = ranks(recipe, trace)
+    plans per micro-batch, the gate); L4 with the fused dual-batch points. `rs`: the recipe's
+    ranks, if built already."""
+    rs = rs or ranks(recipe, trace)
     worst = max(trace.peak(it) for it in range(trace.iterations))
     return [
         Static("L1", rs, trace, None, None),
