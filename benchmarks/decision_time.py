@@ -3,9 +3,11 @@
 1. The Provisioner on the demo's model (`bagualu demo`'s tiny GLM-4-MoE, its recipe and routing
    spikes): per micro-batch, `begin_forward` in all (Algorithm 1's budget, Algorithm 2's plan, the
    gates' room, the plan installed and the forward's hooks entered), and within it the path
-   planner (`PathPlanner.plan`), the gates' costs (`gate_costs`: none once a shape's band is
+   planner (`PathPlanner.answer`), the gates' costs (`gate_costs`: none once a shape's band is
    prepared, which `Decider` does when it is built for the recipe's shape), the runtime install
-   (`PlanRuntime.set_plan` and entering `PlanRuntime.forward`) and the Ledger refresh inside it.
+   (`PlanRuntime.set_plan` and entering `PlanRuntime.forward`) and the Ledger's check that the
+   model did not change (`Ledger.refresh_if_changed`, at each iteration's first micro-batch; it
+   walks the model only when it did).
    On 4 expert-parallel gloo ranks (the demo's adaptive policy, profiled cost model) and in one
    process (the same model unsharded, analytic cost model).
 2. The simulator's decisions per iteration (the slowest pipeline rank's: budgets, plans, gates and
@@ -66,10 +68,10 @@ def _instrument() -> dict[str, list[float]]:
         setattr(cls, name, wrapper)
 
     timed(Provisioner, "begin_forward", "begin_forward")
-    timed(PathPlanner, "plan", "plan")
+    timed(PathPlanner, "answer", "plan")
     timed(decider, "gate_costs", "gate costs")
     timed(PlanRuntime, "set_plan", "runtime install")
-    timed(Ledger, "refresh", "Ledger refresh")
+    timed(Ledger, "refresh_if_changed", "Ledger refresh")
     forward = PlanRuntime.forward
 
     @contextmanager

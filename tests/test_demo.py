@@ -6,6 +6,9 @@ collective OOM run the demo's pieces in their own ranks with the analytic cost m
 a profile. Every launch has a deadline (`parallel.launch.run_ranks`): a rank left out of step
 fails the test instead of hanging it."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,6 +55,25 @@ def test_adaptive_survives_spikes_that_crash_the_unmitigated_policy(every_iterat
     assert oom.peak > capacity and oom.oom_ranks == (recipe.parallel.ep_rank,) and oom.kind == "F"
     # the spikes target the reported rank: the others keep less
     assert none.rank_peak_device_bytes[recipe.parallel.ep_rank] == max(none.rank_peak_device_bytes)
+
+
+RECORDED = Path(__file__).parent / "data" / "demo-every-iteration-spikes-2.json"
+
+
+def _fixed(result) -> dict:
+    """What the seeds fix in a policy's result: steps, OOMs (where, on which ranks), forwards,
+    tokens and each step's spike. Its bytes are not: a step's peak counts the offload copies still
+    in flight when it is read, which the copy thread's timing decides."""
+    timeline = [[e.iteration, e.micro_batch, e.kind, e.spike, e.oom, list(e.oom_ranks)] for e in result.timeline]
+    return {"policy": result.policy, "steps_completed": result.steps_completed, "ooms": result.ooms,
+            "forwards": result.forwards, "tokens": result.tokens, "timeline": timeline}
+
+
+@pytest.mark.multiprocess
+def test_fixed_seeds_give_the_recorded_run(every_iteration_spikes):
+    """The run as recorded before the decisions were made fast (the same policies, the same steps)."""
+    _, results = every_iteration_spikes
+    assert [_fixed(r) for r in results] == json.loads(RECORDED.read_text())
 
 
 @pytest.mark.multiprocess

@@ -78,16 +78,16 @@ class Band:
         cm = planner.cm
         self.balanced = tokens * cm.pairs_per_token
         self.planned, self.heaviest = self.balanced * normal, self.balanced * heaviest
-        self._planner, self._shape = planner, (tokens, [self.planned] * len(cm.moe_layers), seq_len)
+        self.moe_layers = cm.moe_layers
+        self._planner, self._key = planner, planner.key(tokens, [self.planned] * len(self.moe_layers), seq_len)
         self.gates: dict[Decision, GatePlan] = {
             d: GatePlan.of(d, gate_costs(cm, d.plan, tokens, seq_len, self.planned, planner.options), self.planned, self.heaviest)
-            for d in planner.complete(*self._shape)
+            for d in planner.complete(self._key)
         }
 
     def plan(self, budget: float) -> Decision:
         """Algorithm 2's plan for `budget` (`PathPlanner.plan`)."""
-        tokens, routed, seq_len = self._shape
-        return self._planner.plan(budget, tokens, routed, seq_len)
+        return self._planner.answer(self._key, budget)
 
 
 class Decider:

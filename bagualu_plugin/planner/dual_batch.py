@@ -33,6 +33,7 @@ from ..costmodel.model import Routed
 from ..costmodel.plan import Plan
 
 CLASSES = ("F", "B", "O", "R")
+USES = ({"fp8"}, {"fp8"}, {"offload"}, {"offload", "recompute"})  # the strategies whose work each class runs
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,9 @@ class ScheduleCache:
         self, c: int, chunk: int, block: int | None, entries: tuple[tuple[str, str], ...], tokens: int, seq_len: int | None,
     ) -> tuple[StageTime, ...]:
         """Class c's stages at `block` of `chunk` under its plan's `entries`, as an executor runs
-        them (`piece_stages`): computed once."""
+        them (`piece_stages`): computed once per the entries of the strategies the class runs
+        (`USES`: a layer's escalation to recompute leaves its F, B and O stages as they were)."""
+        entries = tuple(e for e in entries if e[1] in USES[c])
         key = (c, chunk, block, entries, tokens, seq_len)
         stages = self._stages.get(key)
         if stages is None:

@@ -70,9 +70,19 @@ class PathPlanner:
     def plan(self, budget: float, tokens: int, routed: Sequence[float] | None = None, seq_len: int | None = None) -> Decision:
         """`plan_micro_batch` at the budget rounded down and the routing (pairs per MoE layer)
         rounded up: the first plan on the path that fits, else the greedy's end."""
+        return self.answer(self.key(tokens, routed, seq_len), budget)
+
+    def key(self, tokens: int, routed: Sequence[float] | None = None, seq_len: int | None = None) -> _Key:
+        """The path a shape and routing (rounded up) are answered from: `answer`'s first argument,
+        for a caller that asks it again and again."""
+        q = self.routed_quantum
+        return tokens, seq_len, None if routed is None else tuple(-(-int(r) // q) * q for r in routed)
+
+    def answer(self, key: _Key, budget: float) -> Decision:
+        """`plan` on the path `key` names."""
         floor = int(budget // self.budget_quantum) * self.budget_quantum
         self.answers += 1
-        key, path = self._path(tokens, routed, seq_len, floor)
+        path = self._path(key, floor)
         i = bisect_left(path.negated, -floor)
         if i == len(path.negated):
             i = self._extend(key, path, floor)
@@ -81,26 +91,24 @@ class PathPlanner:
         fallback = self._fallback(key, path)
         if fallback is not None and fallback[0].needed_bytes <= floor:
             return fallback[1]
-        raise _infeasible(floor, tokens, self.strategies, -path.negated[-1], path.decisions[-1])  # new each time
+        raise _infeasible(floor, key[0], self.strategies, -path.negated[-1], path.decisions[-1])  # new each time
 
-    def complete(self, tokens: int, routed: Sequence[float] | None = None, seq_len: int | None = None) -> list[Decision]:
-        """Every plan `plan` can answer for this shape and routing, computed now (the whole path
+    def complete(self, key: _Key) -> list[Decision]:
+        """Every plan `answer` can give on the path `key` names, computed now (the whole path
         and its full-recompute fallback), so later budgets are answered without a footprint."""
-        key, path = self._path(tokens, routed, seq_len, float("-inf"))
+        path = self._path(key, float("-inf"))
         self._extend(key, path, float("-inf"))
         fallback = self._fallback(key, path)
         return path.decisions + ([fallback[1]] if fallback is not None else [])
 
-    def _path(self, tokens: int, routed: Sequence[float] | None, seq_len: int | None, floor: float) -> tuple[_Key, _Path]:
-        q = self.routed_quantum
-        pairs = None if routed is None else tuple(-(-int(r) // q) * q for r in routed)  # round up
-        key = (tokens, seq_len, pairs)
+    def _path(self, key: _Key, floor: float) -> _Path:
         path = self._paths.get(key)
         if path is None:
+            tokens, seq_len, pairs = key
             path = _Path(greedy_path(self.cm, tokens, pairs, seq_len, self.strategies, self.options, memo := {}), memo)
             self._extend(key, path, floor)  # a bad query raises here and leaves no path behind
             self._paths[key] = path
-        return key, path
+        return path
 
     def _fallback(self, key: _Key, path: _Path) -> tuple[Footprint, Decision] | None:
         """Full recompute past the path's end, where allowed (computed once)."""

@@ -143,6 +143,7 @@ class _Decider:
         self.decider = Decider(s, {c: costs.cm for c, costs in enumerate(rank.costs)}, rank.bands)
         self.schedules = ScheduleCache(s.chunks, s.options) if fused and s.recipe.pipeline.pp > 2 else None
         self.forwards = [(f.micro_batch, f.chunk) for f in s.schedule if f.kind == "F"]
+        self.moe_layers = [costs.cm.moe_layers for costs in rank.costs]
         self.points = _points(s.schedule)
 
     def iteration(self, trace: Trace, it: int) -> tuple[list[MicroBatch], float]:
@@ -153,18 +154,20 @@ class _Decider:
         out: list[MicroBatch | None] = [None] * len(self.forwards)
         start = time.perf_counter()
         decider.start_iteration()
+        spent += time.perf_counter() - start
         for k, (mb, c) in enumerate(self.forwards):
-            imbalance = trace.of(it, mb, self.rank.positions[c])
+            imbalance = trace.of(it, mb, self.rank.positions[c])  # the routing the gates will see
+            start = time.perf_counter()
             f = decider.begin(k, s.tokens, seq_len, c)
-            for layer, x in zip(decider.costs[c].moe_layers, imbalance):
+            for layer, x in zip(self.moe_layers[c], imbalance):
                 decider.at_gate(f, layer, f.balanced * x)
             spent += time.perf_counter() - start
             cost = self.rank.costs[c].under(f.plan).at(imbalance)  # what the Ledger would measure
             start = time.perf_counter()
             decider.end(f, round(cost.held_bytes))
+            spent += time.perf_counter() - start
             plans[mb, c] = f.plan
             out[mb * vp + c] = cost
-        spent += time.perf_counter() - start
         if self.schedules is not None:
             for (x, y, o, r) in self.points:
                 start = time.perf_counter()
