@@ -22,7 +22,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from operator import attrgetter, getitem
+from operator import getitem
 from typing import Literal, NamedTuple
 
 import torch
@@ -137,19 +137,20 @@ def _key(tensor: torch.Tensor | None) -> StorageKey | None:
     return None if found is None else found[0]
 
 
-_storage_of, _pointer, _device_of = torch.Tensor.untyped_storage, torch.UntypedStorage.data_ptr, attrgetter("device")
+_storage_of, _pointer, _device_of = torch.Tensor.untyped_storage, torch.UntypedStorage.data_ptr, torch.Tensor.get_device
 
 
 class _Slots(NamedTuple):
     """Where a ledger's exclusions came from, to be read back without walking the model: the
     (owner dict, name) of every parameter and buffer with a storage, with that storage's pointer
-    and device (compared by C-level maps), and the slots with none (meta, empty, sharded DTensor
-    or None: they exclude nothing, as long as they still have none)."""
+    and device index (`Tensor.get_device`, -1 on the CPU: an int, no device object made per
+    slot; compared by C-level maps), and the slots with none (meta, empty, sharded DTensor or
+    None: they exclude nothing, as long as they still have none)."""
 
     owners: tuple[dict, ...]
     names: tuple[object, ...]
     pointers: tuple[int, ...]
-    devices: tuple[torch.device, ...]
+    devices: tuple[int, ...]
     empty: tuple[tuple[dict, object], ...]
 
     def unchanged(self) -> bool:
@@ -263,7 +264,8 @@ class Ledger:
             else:
                 keyed.append((owner, name, key))
         owners, names, keys = zip(*keyed) if keyed else ((), (), ())
-        self._slots = _Slots(owners, names, tuple(p for _, p in keys), tuple(d for d, _ in keys), tuple(empty))
+        devices = tuple(map(_device_of, map(getitem, owners, names)))
+        self._slots = _Slots(owners, names, tuple(p for _, p in keys), devices, tuple(empty))
         self._excluded = frozenset(keys)
         static = [tensor for owner, name in slots if (tensor := owner[name]) is not None]
         self.device = self._device if self._device is not None else model_device(static)
