@@ -42,7 +42,7 @@ from bagualu_plugin.runtime.plan_runtime import PlanRuntime
 from bagualu_plugin.runtime.provisioner import Provisioner
 from bagualu_plugin.sim.run import simulate
 
-PARTS = ("begin_forward", "plan", "gate costs", "runtime install", "Ledger refresh")
+PARTS = ("begin_forward", "plan", "gate costs", "runtime install", "Ledger check")
 
 
 def _instrument() -> dict[str, list[float]]:
@@ -71,7 +71,7 @@ def _instrument() -> dict[str, list[float]]:
     timed(PathPlanner, "answer", "plan")
     timed(decider, "gate_costs", "gate costs")
     timed(PlanRuntime, "set_plan", "runtime install")
-    timed(Ledger, "refresh_if_changed", "Ledger refresh")
+    timed(Ledger, "refresh_if_changed", "Ledger check")
     forward = PlanRuntime.forward
 
     @contextmanager
@@ -128,7 +128,7 @@ def main() -> None:
     one = _one_process(args.steps)
     rows.append(_row("one process", one, len(one["begin_forward"])))
     print("the Provisioner's decisions per micro-batch (ms; begin_forward includes the rest)")
-    print(table(["where", "forwards", "begin_forward mean", "median", "plan", "gate costs", "runtime install", "Ledger refresh"], rows))
+    print(table(["where", "forwards", "begin_forward mean", "median", "plan", "gate costs", "runtime install", "Ledger check"], rows))
 
     sims = []
     for preset in ("glm-423b-a30b", "glm-1041b-a35b-12288"):

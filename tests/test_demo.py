@@ -62,8 +62,9 @@ RECORDED = Path(__file__).parent / "data" / "demo-every-iteration-spikes-2.json"
 
 def _fixed(result) -> dict:
     """What the seeds fix in a policy's result: steps, OOMs (where, on which ranks), forwards,
-    tokens and each step's spike. Its bytes are not: a step's peak counts the offload copies still
-    in flight when it is read, which the copy thread's timing decides."""
+    tokens and each step's spike. Its bytes are not: every rank profiles its cost model, and
+    Algorithm 2 breaks ties between equal reductions by the time they add, so a plan follows the
+    op times the machine's load gave the profile."""
     timeline = [[e.iteration, e.micro_batch, e.kind, e.spike, e.oom, list(e.oom_ranks)] for e in result.timeline]
     return {"policy": result.policy, "steps_completed": result.steps_completed, "ooms": result.ooms,
             "forwards": result.forwards, "tokens": result.tokens, "timeline": timeline}
