@@ -72,9 +72,7 @@ class Band:
     computes no footprint. `planned` and `heaviest`: local routed pairs per MoE layer at the top
     of the normal band and at `spike_max_imbalance`."""
 
-    def __init__(
-        self, planner: PathPlanner, tokens: int, seq_len: int | None, normal: float, heaviest: float,
-    ):
+    def __init__(self, planner: PathPlanner, tokens: int, seq_len: int | None, normal: float, heaviest: float):
         cm = planner.cm
         self.balanced = tokens * cm.pairs_per_token
         self.planned, self.heaviest = self.balanced * normal, self.balanced * heaviest
@@ -86,7 +84,7 @@ class Band:
         }
 
     def plan(self, budget: float) -> Decision:
-        """Algorithm 2's plan for `budget` (`PathPlanner.plan`)."""
+        """Algorithm 2's plan for `budget`: the first on the prepared path that fits (`PathPlanner.answer`)."""
         return self._planner.answer(self._key, budget)
 
 
