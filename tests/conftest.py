@@ -4,12 +4,22 @@ import ...`); the markers are registered in pyproject.toml:
 - `multiprocess`: the test starts processes (gloo ranks through `parallel.launch.run_ranks`,
   torchrun, `accelerate launch`, a python subprocess). `pytest -m "not multiprocess"` is the fast,
   in-process tier; CI runs everything.
-- `gpu`: the test needs a CUDA device; without one it is skipped."""
+- `gpu`: the test needs a CUDA device; without one it is skipped.
 
+One torch thread per process: the models here are tiny, and on CPU cores shared with other jobs
+torch's intra-op threads cost far more than they save (a LoRA test took 14 s on one thread, 43 to
+190 s on two, on 2 busy cores). OMP_NUM_THREADS (set to 1 unless given) also reaches the
+processes the tests start (torchrun's and `accelerate launch`'s workers, python subprocesses);
+`parallel.launch.run_ranks` sets its ranks' own count (`threads`)."""
+
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 
 # pytest's default (prepend) import mode already puts this folder, which has no __init__.py, on
 # sys.path when it imports this file; so that `from helpers import ...` (and nanotron_configs)

@@ -1,11 +1,12 @@
 """What several test files share: the recipe of a tiny model, one loss-and-gradients step under a
-plan, and the relative error of gradients. Tests import it as `from helpers import ...` (tests/
-is on sys.path: pytest puts a rootdir-less test folder there, and tests/conftest.py makes sure;
-ranks spawned by `parallel.launch.run_ranks` inherit the parent's sys.path)."""
+plan, the relative error of gradients, and several ranks' jobs in one launch. Tests import it as
+`from helpers import ...` (tests/ is on sys.path: pytest puts a rootdir-less test folder there,
+and tests/conftest.py makes sure; ranks spawned by `parallel.launch.run_ranks` inherit the
+parent's sys.path)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -13,6 +14,7 @@ from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.config import Recipe
 from bagualu_plugin.costmodel import ModelDims
 from bagualu_plugin.costmodel.mitigation import MitigationOptions
+from bagualu_plugin.parallel.launch import run_ranks
 from bagualu_plugin.runtime.plan_runtime import apply_plan
 
 
@@ -137,3 +139,25 @@ def relative_error(values, reference, floor: float = 0.0) -> float:
         return ((values - reference).float().norm() / reference.float().norm().clamp_min(floor)).item()
     num = sum(((g - r).float().norm() ** 2).item() for g, r in zip(values, reference))
     return (num / sum((r.float().norm() ** 2).item() for r in reference)) ** 0.5
+
+
+def _jobs(rank: int, size: int, jobs: list[tuple[str, Callable, tuple]]) -> dict:
+    start = torch.get_rng_state()
+    out = {}
+    for name, fn, args in jobs:
+        torch.set_rng_state(start)  # each job from the state a launch of its own starts with
+        out[name] = fn(rank, size, *args)
+    return out
+
+
+def run_jobs(size: int, jobs: Mapping[str, tuple], *, timeout_s: float, threads: int | None = None) -> dict[str, list]:
+    """Several `run_ranks` workers in one launch of `size` ranks, one after the other in each rank:
+    `jobs` maps a name to `(fn, *args)`, `fn(rank, size, *args)` as `run_ranks` calls it. Each
+    job's results by name, in rank order, as `run_ranks(fn, size, *args)` returns them. A launch
+    costs every rank its spawn and imports (seconds on a busy CPU), so checks that need the same
+    ranks share one. Collectives time out after `timeout_s` (a deadlock fails as fast as in a
+    launch of its own); the launch's deadline is each job's own (`timeout_s` + 60 s) added up. A
+    job that raises fails the launch, so one expected to fail runs in a launch of its own."""
+    listed = [(name, job[0], tuple(job[1:])) for name, job in jobs.items()]
+    ranks = run_ranks(_jobs, size, listed, timeout_s=timeout_s, threads=threads, deadline_s=len(listed) * (timeout_s + 60))
+    return {name: [r[name] for r in ranks] for name in jobs}

@@ -2,9 +2,10 @@
 CPU: each rank materialises only its experts, the sharded model computes the loss of the whole
 model loaded by `from_pretrained`, and `save_expert_parallel` writes back the very checkpoint.
 
-Each test runs 2 processes through `parallel.launch.run_ranks`; a worker checks every case of the
-test and returns its measurements, which the parent asserts. The group's collectives time out
-after 60 s and the ranks must finish within 120 s, so a deadlock fails instead of hanging."""
+The tests share one launch of 2 processes (`helpers.run_jobs` over `parallel.launch.run_ranks`);
+a worker checks every case of a test and returns its measurements, which the parent asserts.
+The group's collectives time out after 60 s and the ranks must finish within 120 s per worker,
+so a deadlock fails instead of hanging."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers import run_jobs
 from safetensors import safe_open
 
 from bagualu_plugin.adapters import save_tiny, tiny_model
 from bagualu_plugin.parallel import load_expert_parallel, save_expert_parallel
-from bagualu_plugin.parallel.launch import run_ranks
 
 WORLD = 2
 TIMEOUT_S = 60  # collectives; run_ranks gives the ranks this + 60 s to finish
@@ -36,9 +37,18 @@ CASES = {
 }
 
 
-def _spawn(worker, *args) -> list[dict]:
-    """worker(rank, WORLD, *args) on WORLD processes, one thread each; their reports in rank order."""
-    return run_ranks(worker, WORLD, *args, timeout_s=TIMEOUT_S, threads=1)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
+    """The checkpoints of CASES and one of 7 experts, then both workers in one launch of WORLD
+    processes, one thread each: the folder, and each worker's reports in rank order."""
+    tmp = tmp_path_factory.mktemp("ep_checkpoint")
+    for name, (family, overrides, max_shard_size) in CASES.items():
+        model = tiny_model(family, seed=3, **overrides)
+        model.save_pretrained(tmp / name, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    save_tiny("qwen3_moe", tmp / "seven", num_experts=7)
+    # the round trip patches the rank's `safe_open` (to count what it reads): it runs last
+    jobs = {"seven": (_bad_input_worker, tmp), "round trip": (_round_trip_worker, tmp, list(CASES))}
+    return tmp, run_jobs(WORLD, jobs, timeout_s=TIMEOUT_S, threads=1)
 
 
 def _bytes(tensors) -> int:
@@ -141,15 +151,12 @@ def _round_trip_worker(rank: int, size: int, tmp_path: Path, names: list[str]) -
 
 
 @pytest.mark.multiprocess
-def test_load_and_save_round_trip(tmp_path):
+def test_load_and_save_round_trip(ranks):
     """Each rank holds half the experts and nothing else less; slices, loss, buffers and the saved
     checkpoint all match the whole model's."""
-    for name, (family, overrides, max_shard_size) in CASES.items():
-        model = tiny_model(family, seed=3, **overrides)
-        model.save_pretrained(tmp_path / name, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    tmp_path, reports = ranks[0], ranks[1]["round trip"]
     assert (tmp_path / "qwen3_moe_sharded" / "model.safetensors.index.json").is_file()
     assert len(list((tmp_path / "qwen3_moe_sharded").glob("*.safetensors"))) > 1
-    reports = _spawn(_round_trip_worker, tmp_path, list(CASES))
     for rank, report in enumerate(reports):
         for name, case in report.items():
             where = f"{name}, rank {rank}"
@@ -178,9 +185,8 @@ def _bad_input_worker(rank: int, size: int, tmp_path: Path) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_experts_not_divisible_by_group(tmp_path):
-    save_tiny("qwen3_moe", tmp_path / "seven", num_experts=7)
-    for report in _spawn(_bad_input_worker, tmp_path):
+def test_experts_not_divisible_by_group(ranks):
+    for report in ranks[1]["seven"]:
         assert report["error"] is not None and "num_experts=7" in report["error"]
 
 

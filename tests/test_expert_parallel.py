@@ -8,12 +8,16 @@ multiplies the rows of all ranks at once. Tolerance 1e-5 relative (loss, and the
 gradient's error over its norm); measured over 2 and 4 ranks at most 1.0e-7 for the loss, 8.5e-7
 for the non-expert gradients, 2.0e-7 for the expert gradients.
 
-Every group has a 60 s collective timeout and every launch a deadline (`parallel.launch`).
+Every group has a collective timeout (60 to 120 s) and every launch a deadline (`parallel.launch`).
+The checks that succeed on 2 ranks share one launch (`helpers.run_jobs`, the `two_ranks` fixture):
+each rank's spawn and imports cost seconds, more than several of the checks themselves.
 """
+
+import time
 
 import pytest
 import torch
-from helpers import plan_step, relative_error, tiny_recipe
+from helpers import plan_step, relative_error, run_jobs, tiny_recipe
 
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, Adapter, tiny_model
@@ -83,9 +87,26 @@ def _against_one_process(rank: int, size: int, families: list[str], fraction: fl
     return out
 
 
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list]:
+    """Every check below that succeeds on 2 ranks, in one launch: each job's results in rank order."""
+    return run_jobs(2, {
+        "balanced": (_against_one_process, FAMS, 0.0),
+        "without tokens": (_against_one_process, ["glm4_moe", "gpt_oss"], 1.0),
+        "ledger": (_ledger_and_plans, FAMS),
+        "bad input": (_bad_input,),
+        "gate": (_gate,),
+        "adaptive": (_adaptive_training,),
+        "profiled": (_profiled, ["gpt_oss", "qwen2_moe"]),
+    }, timeout_s=120)
+
+
 @pytest.mark.parametrize("size", [2, 4])
-def test_ranks_match_one_process_on_their_batch(size):
-    results = run_ranks(_against_one_process, size, FAMS, 0.0, timeout_s=60)
+def test_ranks_match_one_process_on_their_batch(size, request):
+    if size == 2:
+        results = request.getfixturevalue("two_ranks")["balanced"]
+    else:
+        results = run_ranks(_against_one_process, size, FAMS, 0.0, timeout_s=60)
     for family in FAMS:
         per_rank = [r[family] for r in results]
         for r in per_rank:
@@ -96,9 +117,9 @@ def test_ranks_match_one_process_on_their_batch(size):
             assert sum(r["received"][layer] for r in per_rank) == size * TOKENS * 2
 
 
-def test_experts_and_ranks_without_tokens():
+def test_experts_and_ranks_without_tokens(two_ranks):
     """Every pair routed to rank 0's experts: rank 1 receives nothing, its experts no gradient."""
-    results = run_ranks(_against_one_process, 2, ["glm4_moe", "gpt_oss"], 1.0, timeout_s=60)
+    results = two_ranks["without tokens"]
     for family in ("glm4_moe", "gpt_oss"):
         hot, cold = results[0][family], results[1][family]
         for r in (hot, cold):
@@ -150,8 +171,8 @@ def _ledger_and_plans(rank: int, size: int, families: list[str]) -> dict:
     return out
 
 
-def test_ledger_matches_cost_model_and_plans_may_differ_per_rank():
-    results = run_ranks(_ledger_and_plans, 2, FAMS, timeout_s=60)
+def test_ledger_matches_cost_model_and_plans_may_differ_per_rank(two_ranks):
+    results = two_ranks["ledger"]
     for family in FAMS:
         hot, cold = results[0][family], results[1][family]
         for r in (hot, cold):
@@ -179,8 +200,8 @@ def _bad_input(rank: int, size: int) -> list[str]:
     return errors
 
 
-def test_bad_input_names_what_is_expected():
-    errors = run_ranks(_bad_input, 2, timeout_s=60)[0]
+def test_bad_input_names_what_is_expected(two_ranks):
+    errors = two_ranks["bad input"][0]
     assert "has 2 ranks, which does not divide num_experts=7" in errors[0]
     assert "experts_implementation='bagualu'" in errors[1]
 
@@ -194,6 +215,21 @@ def _fails_on_rank_1(rank: int, size: int) -> None:
 def test_one_rank_failing_stops_the_job():
     with pytest.raises(RankError, match="rank 1 failed: OutOfMemoryError"):
         run_ranks(_fails_on_rank_1, 2, timeout_s=30)
+
+
+def _sleeps(rank: int, size: int) -> None:
+    time.sleep(120)
+
+
+def test_a_launch_past_its_deadline_fails():
+    """`deadline_s` bounds the whole launch (`helpers.run_jobs` lengthens it, the collectives'
+    timeout kept): a rank still running then ends the job."""
+    with pytest.raises(ValueError, match="deadline_s must be > 0, got 0"):
+        run_ranks(_sleeps, 1, deadline_s=0)
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"ranks \[0\] did not finish within 5 s"):
+        run_ranks(_sleeps, 1, timeout_s=60, deadline_s=5)
+    assert time.monotonic() - start < 60
 
 
 def _recipe(model, ep: int, ep_rank: int, pp: int = 1, micro_batches: int = 3) -> Recipe:
@@ -238,11 +274,11 @@ def _gate(rank: int, size: int) -> dict:
         prov.remove()
 
 
-def test_only_the_hot_rank_s_gate_defers_and_escalates():
+def test_only_the_hot_rank_s_gate_defers_and_escalates(two_ranks):
     """Rank 0 receives both ranks' pairs of layer 2 (2x its balanced share): in warmup the later
     warmup micro-batches give up what the spike needs, in steady its experts recompute. Rank 1
     receives none of them: its gate does nothing for layer 2."""
-    hot, cold = run_ranks(_gate, 2, timeout_s=90)
+    hot, cold = two_ranks["gate"]
     assert hot["deferred"][1].get(2) == 2 * TOKENS * 2 and 2 not in hot["escalated"][1]
     assert hot["escalated"][4].get(2) == 2 * TOKENS * 2
     assert hot["budget"][4][0] <= hot["budget"][4][1]
@@ -298,8 +334,8 @@ def _adaptive_training(rank: int, size: int) -> dict:
     return out
 
 
-def test_adaptive_training_is_bitwise_plain_expert_parallel_training():
-    for r in run_ranks(_adaptive_training, 2, timeout_s=120):
+def test_adaptive_training_is_bitwise_plain_expert_parallel_training(two_ranks):
+    for r in two_ranks["adaptive"]:
         for allowed, x in r.items():
             assert x["bitwise"] and x["trained"] and x["mitigated"] and x["peak"], (allowed, x)
             assert x["strategies"] and set(x["strategies"]) <= set(allowed)
@@ -327,9 +363,9 @@ def _profiled(rank: int, size: int, families: list[str]) -> dict:
     return out
 
 
-def test_profile_under_expert_parallelism_predicts_unseen_skews():
+def test_profile_under_expert_parallelism_predicts_unseen_skews(two_ranks):
     families = ["gpt_oss", "qwen2_moe"]
-    hot, cold = run_ranks(_profiled, 2, families, timeout_s=120)
+    hot, cold = two_ranks["profiled"]
     for family in families:
         for r in (hot, cold):
             assert r[family]["pairs_per_token"] == 2  # each rank's experts receive T * top_k balanced

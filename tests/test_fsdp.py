@@ -2,23 +2,25 @@
 the plugin installed before the model is sharded, as before `accelerator.prepare`. The Ledger
 never counts the sharded or the gathered parameters (FSDP2 gathers a module's whole parameters in
 its forward pre-hook, and its ops save views of them), so each micro-batch keeps exactly what the
-same micro-batch keeps unsharded, whole or planned, and the loss is the same bit for bit."""
+same micro-batch keeps unsharded, whole or planned, and the loss is the same bit for bit. The
+checks share one launch of the 2 ranks (`helpers.run_jobs`)."""
 
 import gc
 
 import pytest
 import torch
-from helpers import tiny_recipe
+from helpers import run_jobs, tiny_recipe
 
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import Adapter, tiny_model
 from bagualu_plugin.config import Recipe
-from bagualu_plugin.parallel.launch import run_ranks
 from bagualu_plugin.runtime.plan_runtime import apply_plan
 
 SEQ, MBS = 32, 2
 
 pytestmark = pytest.mark.multiprocess  # every test runs 2 gloo ranks (`run_ranks`)
+CAPACITIES = {"kept": 4.0, "planned": 0.7}
+UNITS = ["decoder layers", "attention and MoE block"]
 
 
 def _recipe(model, capacity: float) -> Recipe:
@@ -61,9 +63,17 @@ def _micro_batch(rank: int, size: int, capacity: float) -> dict:
     return out
 
 
-@pytest.mark.parametrize("capacity", [4.0, 0.7], ids=["kept", "planned"])
-def test_the_ledger_counts_activations_only_under_fsdp2(capacity):
-    for rank in run_ranks(_micro_batch, 2, capacity, timeout_s=120):
+@pytest.fixture(scope="module")
+def ranks() -> dict[str, list]:
+    """Every case of both tests below, in one launch: each job's results in rank order."""
+    jobs = {name: (_micro_batch, capacity) for name, capacity in CAPACITIES.items()}
+    return run_jobs(2, {**jobs, **{units: (_all_gathers, units) for units in UNITS}}, timeout_s=120)
+
+
+@pytest.mark.parametrize("case", list(CAPACITIES))
+def test_the_ledger_counts_activations_only_under_fsdp2(ranks, case):
+    capacity = CAPACITIES[case]
+    for rank in ranks[case]:
         (plain, plan, loss), (sharded, sharded_plan, sharded_loss) = rank[False], rank[True]
         assert sharded == plain and sharded_plan == plan and torch.equal(sharded_loss, loss)
         assert bool(plan) == (capacity < 1)
@@ -110,10 +120,10 @@ def _all_gathers(rank: int, size: int, units: str) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("units", ["decoder layers", "attention and MoE block"])
-def test_recompute_adds_no_all_gather_under_fsdp2(units):
+@pytest.mark.parametrize("units", UNITS)
+def test_recompute_adds_no_all_gather_under_fsdp2(ranks, units):
     """Why the cost model prices recompute under FSDP with no communication: a region replays
     modules whose FSDP unit backward gathers anyway, at most earlier (a whole layer's replay
     gathers its inner units, whose backward then finds them gathered)."""
-    for counts in run_ranks(_all_gathers, 2, units, timeout_s=120):
+    for counts in ranks[units]:
         assert counts["none"] > 0 and counts["per op"] == counts["whole layers"] == counts["none"], counts

@@ -3,7 +3,8 @@ one patch (`set_device` without CUDA) is all it takes, and the groups follow nan
 world = ep x pp x dp x tp. Run against nanotron main as well with its sources first on the path
 (`PYTHONPATH=<nanotron>/src pytest tests/test_nanotron_context.py tests/test_nanotron_engine.py`):
 main's engine, P2P, blocks and context import without its config (which needs flash_attn); main's
-context cannot lay out expert parallelism, which `EXPERT_PARALLEL` says and this test expects."""
+context cannot lay out expert parallelism, which `EXPERT_PARALLEL` says and this test expects.
+The layouts that lay out share one launch of 4 ranks (`helpers.run_jobs`)."""
 
 import os
 
@@ -12,6 +13,8 @@ import pytest
 import torch.distributed as dist
 
 pytest.importorskip("nanotron")
+
+from helpers import run_jobs  # noqa: E402
 
 from bagualu_plugin.parallel.launch import RankError, run_ranks  # noqa: E402
 
@@ -31,15 +34,29 @@ def _groups(rank: int, size: int, pp: int, dp: int, ep: int) -> dict:
     }
 
 
-@pytest.mark.parametrize(("pp", "dp", "ep"), [(2, 2, 1), (2, 1, 2)], ids=["pp2-dp2", "pp2-ep2"])
-def test_groups_follow_nanotron_s_layout(pp, dp, ep):
+LAYOUTS = {"pp2-dp2": (2, 2, 1), "pp2-ep2": (2, 1, 2)}  # (pp, dp, ep), 4 ranks each
+
+
+def _lays_out(ep: int) -> bool:
     from bagualu_plugin.integrations.nanotron.context import EXPERT_PARALLEL
 
-    if ep > 1 and not EXPERT_PARALLEL:  # nanotron main asserts tp x cp x dp x pp = world
+    return ep == 1 or EXPERT_PARALLEL  # nanotron main asserts tp x cp x dp x pp = world
+
+
+@pytest.fixture(scope="module")
+def layouts() -> dict[str, list]:
+    """The groups of every layout that this nanotron lays out, in one launch of 4 ranks."""
+    return run_jobs(4, {name: (_groups, *layout) for name, layout in LAYOUTS.items() if _lays_out(layout[2])}, timeout_s=60)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_groups_follow_nanotron_s_layout(layout, request):
+    pp, dp, ep = LAYOUTS[layout]
+    if not _lays_out(ep):
         with pytest.raises(RankError, match=r"TP\*CP\*DP\*PP"):
             run_ranks(_groups, pp * dp * ep, pp, dp, ep, timeout_s=60)
         return
-    results = run_ranks(_groups, pp * dp * ep, pp, dp, ep, timeout_s=60)
+    results = request.getfixturevalue("layouts")[layout]
     ranks = np.arange(pp * dp * ep).reshape(ep, pp, dp, 1)
     for rank, got in enumerate(results):
         e, p, d, _ = (int(i[0]) for i in np.nonzero(ranks == rank))

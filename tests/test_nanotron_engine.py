@@ -3,7 +3,8 @@ Provisioner (`integrations.nanotron.engine`): a tiny HF Qwen3-MoE cut into pipel
 (`integrations.nanotron.model`) trains one batch of 4 micro-batches on 2 and 4 pipeline ranks.
 Under a capacity that forces plans on the first ranks, losses and gradients equal the stock
 engine's bitwise, and each rank's Provisioner sees nanotron's warmup count and in-flight
-micro-batches. Every group has a 60 s collective timeout (`parallel.launch`)."""
+micro-batches. Every group has a 60 s collective timeout (`parallel.launch`); the runs on 2 ranks
+share one launch, those on 4 another (`helpers.run_jobs`)."""
 
 from contextlib import nullcontext
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 pytest.importorskip("nanotron")
 
-from helpers import tiny_recipe  # noqa: E402
+from helpers import run_jobs, tiny_recipe  # noqa: E402
 
 import bagualu_plugin as bgl  # noqa: E402
 from bagualu_plugin.adapters import tiny_model  # noqa: E402
@@ -21,7 +22,6 @@ from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
 from bagualu_plugin.adapters.gate import GateMonitor  # noqa: E402
 from bagualu_plugin.config import Recipe  # noqa: E402
 from bagualu_plugin.costmodel import OpId  # noqa: E402
-from bagualu_plugin.parallel.launch import run_ranks  # noqa: E402
 from bagualu_plugin.runtime.ledger import Ledger  # noqa: E402
 from bagualu_plugin.runtime.plan_runtime import apply_plan  # noqa: E402
 
@@ -105,10 +105,29 @@ def _plan(plan: dict[str, str]) -> dict:
     return {OpId(int(op.split(".")[0]), op.split(".")[1]): strategy for op, strategy in plan.items()}
 
 
+HEAD = {OpId(4, "lm_head"): "recompute", OpId(4, "loss"): "recompute"}  # 4 layers: the head is block 4
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, list]:
+    """The runs on 2 pipeline ranks, in one launch: `_train`'s results by run, in rank order."""
+    return run_jobs(2, {
+        "plugin": (_train, True),  # at 1.6 x the stage's keep-all micro-batch
+        "stock": (_train, False),
+        "plugin, ample capacity": (_train, True, 100.0),
+        "stock, head recomputed": (_train, False, 1.6, HEAD),
+    }, timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> dict[str, list]:
+    return run_jobs(4, {"plugin": (_train, True), "stock": (_train, False)}, timeout_s=60)
+
+
 @pytest.mark.parametrize("size", [2, 4])
-def test_the_provisioner_inside_nanotron_s_engine_is_bitwise_stock(size):
-    plugin = run_ranks(_train, size, True, timeout_s=60)
-    stock = run_ranks(_train, size, False, timeout_s=60)
+def test_the_provisioner_inside_nanotron_s_engine_is_bitwise_stock(size, request):
+    runs = request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[size])
+    plugin, stock = runs["plugin"], runs["stock"]
     for rank, (ours, theirs) in enumerate(zip(plugin, stock)):
         assert all(torch.equal(a, b) for a, b in zip(ours["losses"], theirs["losses"]))
         assert ours["grads"].keys() == theirs["grads"].keys() and ours["grads"]
@@ -120,21 +139,20 @@ def test_the_provisioner_inside_nanotron_s_engine_is_bitwise_stock(size):
     assert plugin[0]["planned"] > 0  # the first rank holds the most micro-batches: it had to plan
 
 
-def test_each_stage_keeps_what_its_cost_model_says_to_the_byte():
-    """Every rank's micro-batches, kept whole (ample capacity) or planned, at their real routing:
-    a stage's saved tensors (its RoPE tables shared by its layers, as HF shares them) are the
-    cost model's stage, to the byte."""
-    for capacity in (100.0, 1.6):
-        for rank in run_ranks(_train, 2, True, capacity, timeout_s=60):
+def test_each_stage_keeps_what_its_cost_model_says_to_the_byte(two_ranks):
+    """Every rank's micro-batches, kept whole (ample capacity) or planned (1.6 x), at their real
+    routing: a stage's saved tensors (its RoPE tables shared by its layers, as HF shares them)
+    are the cost model's stage, to the byte."""
+    for run in ("plugin, ample capacity", "plugin"):
+        for rank in two_ranks[run]:
             assert rank["exact"] and all(actual == predicted for actual, predicted in rank["exact"])
 
 
-def test_the_last_stage_recomputes_its_head_through_the_loss_runner():
+def test_the_last_stage_recomputes_its_head_through_the_loss_runner(two_ranks):
     """The head block runs the LM head and loss through the runtime's loss runner, so a plan that
     recomputes them (the head's `LOSS_OPS` unit) holds on a pipeline's last stage: less kept, the
     same losses and gradients bitwise."""
-    head = {OpId(4, "lm_head"): "recompute", OpId(4, "loss"): "recompute"}  # 4 layers: the head is block 4
-    kept, recomputed = run_ranks(_train, 2, False, timeout_s=60), run_ranks(_train, 2, False, 1.6, head, timeout_s=60)
+    kept, recomputed = two_ranks["stock"], two_ranks["stock, head recomputed"]
     assert all(torch.equal(a, b) for a, b in zip(kept[1]["losses"], recomputed[1]["losses"]))
     for ours, theirs in zip(recomputed, kept):
         assert all(torch.equal(g, theirs["grads"][n]) for n, g in ours["grads"].items())

@@ -1,7 +1,8 @@
 """`PipelineModel` runs an HF MoE model of every supported family as nanotron `PipelineBlock`s:
 on one pipeline rank its loss and gradients equal the HF model's own forward bit for bit (the
 embedding, each stage's layers with the decoder's positions, RoPE tables and causal or
-sliding-window masks, the final norm, LM head and loss), under sdpa and eager attention."""
+sliding-window masks, the final norm, LM head and loss), under sdpa and eager attention, both in
+one launch (`helpers.run_jobs`)."""
 
 import pytest
 import torch
@@ -9,9 +10,12 @@ import torch.distributed as dist
 
 pytest.importorskip("nanotron")
 
+from helpers import run_jobs  # noqa: E402
+
 from bagualu_plugin.adapters import tiny_model  # noqa: E402
 from bagualu_plugin.families import FAMILIES  # noqa: E402
-from bagualu_plugin.parallel.launch import run_ranks  # noqa: E402
+
+ATTENTION = ["sdpa", "eager"]
 
 
 def _against_hf(rank: int, size: int, attention: str) -> dict:
@@ -41,10 +45,16 @@ def _against_hf(rank: int, size: int, attention: str) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def one_rank() -> dict[str, list]:
+    """Both attention kernels' runs in one launch of one rank (one torch thread, as on a busy CPU)."""
+    return run_jobs(1, {attention: (_against_hf, attention) for attention in ATTENTION}, timeout_s=120, threads=1)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-def test_one_stage_is_the_hf_forward_bitwise(attention):
-    for family, (loss, grads, count) in run_ranks(_against_hf, 1, attention, timeout_s=120)[0].items():
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_one_stage_is_the_hf_forward_bitwise(one_rank, attention):
+    for family, (loss, grads, count) in one_rank[attention][0].items():
         assert loss and grads and count > 0, family
 
 

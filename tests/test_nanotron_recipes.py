@@ -145,9 +145,9 @@ def _build_checkpoint(tmp_path: Path, config: Path) -> dict:
 _ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
 
 
-def _run_tiny(tmp_path: Path, config: Path, nproc: int, change=None) -> list[dict]:
-    """In `tmp_path`, as a user would: the header's tiny-checkpoint command, then the launcher."""
-    data = _build_checkpoint(tmp_path, config)
+def _run_tiny(tmp_path: Path, config: Path, nproc: int, data: dict, change=None) -> list[dict]:
+    """In `tmp_path`, as a user would, after the header's tiny-checkpoint command (`_build_checkpoint`,
+    which gave `data`): the launcher."""
     env = _ENV
     if change is not None:
         change(data)
@@ -166,7 +166,7 @@ def test_tiny_config_runs_as_it_is(tmp_path, path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the checkpoint's path is relative to where the user runs
     rc, out, err = validate(path, capsys)
     assert (rc, err) == (0, "") and out.startswith(f"ok: {path} (nanotron config, ")
-    metrics = _run_tiny(tmp_path, path, data["parallelism"]["pp"])
+    metrics = _run_tiny(tmp_path, path, data["parallelism"]["pp"], data)
     assert [m["iteration"] for m in metrics] == list(range(data["tokens"]["train_steps"]))
     capacity = data["bagualu"]["hardware"]["capacity_bytes"]
     assert all(0 < peak <= capacity for m in metrics for peak in m["peak_device_bytes"])
@@ -186,6 +186,7 @@ def test_tiny_config_with_expert_parallelism_trains_on_a_text_file(tmp_path):
         data["parallelism"]["expert_parallel_size"] = 2
         data["data"] = {"dataset": {"hf_dataset_or_datasets": "corpus.txt", "text_column_name": "text"}, "seed": 7}
 
-    metrics = _run_tiny(tmp_path, NANOTRON / "tiny-glm4-moe.yaml", 4, change)
+    config = NANOTRON / "tiny-glm4-moe.yaml"
+    metrics = _run_tiny(tmp_path, config, 4, _build_checkpoint(tmp_path, config), change)
     assert len(metrics[0]["peak_device_bytes"]) == 4
     assert metrics[-1]["loss"] < metrics[0]["loss"]

@@ -5,10 +5,16 @@ Provisioner under a capacity that forces plans, over PP=2, PP=4 and PP=2 x EP=2.
 optimizer steps (so gradients count too) are bitwise equal; each rank's telemetry shows Algorithm
 1's budgets (rank r of pp runs pp - r - 1 warmup forwards); a routing spike on one rank's layers
 escalates on that rank only. Gradient reductions are checked against other layouts: EP=2 against
-DP=2, and tied embeddings over two pipeline ranks against one process."""
+DP=2, and tied embeddings over two pipeline ranks against one process.
+
+Starting the processes (each imports torch, transformers and nanotron) costs more than a tiny
+run, so the runs on the same number of processes share one torchrun launch: tests/nanotron_runs.py
+calls the launcher's own `main` for each config in turn (the `world1` ... `world8` fixtures);
+each run has its 60 s collective timeout and its 300 s, as in a launch of its own."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -34,6 +40,8 @@ from bagualu_plugin.stage import Stage  # noqa: E402
 M, BATCH, SEQ, STEPS, LAYERS = 4, 2, 16, 2, 4
 TINY = {"num_hidden_layers": LAYERS, "mlp_only_layers": []}
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+RUNS = Path(__file__).with_name("nanotron_runs.py")
+RUN_TIMEOUT_S = 300  # each run's, as each launch's was
 _NANOTRON_MODEL_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
 
 
@@ -61,27 +69,39 @@ def _bagualu(pp: int, enabled: bool = True, capacity: float = 1.6, **sections) -
     return {"enabled": enabled, **section, **sections}
 
 
-def _launch(tmp: Path, name: str, data: dict) -> dict:
-    """Run the config; its metrics lines, each rank's telemetry events and the loaded config."""
+def _world(data: dict) -> int:
     par = data["parallelism"]
-    world = par["pp"] * par["dp"] * par["tp"] * par["expert_parallel_size"]
-    config, metrics = tmp / f"{name}.yaml", tmp / f"{name}.jsonl"
-    data["bagualu"] = {**data["bagualu"], "metrics_path": str(metrics), "telemetry": {"path": str(tmp / f"{name}-events.jsonl")}}
-    config.write_text(yaml.safe_dump(data))
+    return par["pp"] * par["dp"] * par["tp"] * par["expert_parallel_size"]
+
+
+def _launch(tmp: Path, runs: dict[str, dict]) -> dict[str, dict]:
+    """Run the configs, all on one number of processes, in one torchrun launch, one after the
+    other (tests/nanotron_runs.py: the launcher's `main` for each); by name, each run's metrics
+    lines, each rank's telemetry events and the loaded config."""
+    (world,) = {_world(data) for data in runs.values()}
+    configs = []
+    for name, data in runs.items():
+        config, metrics = tmp / f"{name}.yaml", tmp / f"{name}.jsonl"
+        data["bagualu"] = {**data["bagualu"], "metrics_path": str(metrics), "telemetry": {"path": str(tmp / f"{name}-events.jsonl")}}
+        config.write_text(yaml.safe_dump(data))
+        configs.append(str(config))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
-    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(world), "-m", "bagualu_plugin.integrations.nanotron.train",
-           "--config-file", str(config), "--timeout-s", "60"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(world), str(RUNS), "--timeout-s", "60",
+           "--run-timeout-s", str(RUN_TIMEOUT_S), *configs]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S * len(runs) + 120)  # + the imports
     assert done.returncode == 0, done.stderr[-4000:]
-    events = {}
-    for rank in range(world):
-        path = tmp / f"{name}-events.rank{rank}.jsonl"
-        events[rank] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return {
-        "metrics": [json.loads(line) for line in metrics.read_text().splitlines()],
-        "events": events,
-        "config": import_nanotron().get_config_from_file(str(config), config_class=Config),
-    }
+    out = {}
+    for name, config in zip(runs, configs):
+        events = {}
+        for rank in range(world):
+            path = tmp / f"{name}-events.rank{rank}.jsonl"
+            events[rank] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        out[name] = {
+            "metrics": [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()],
+            "events": events,
+            "config": import_nanotron().get_config_from_file(config, config_class=Config),
+        }
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -89,12 +109,82 @@ def checkpoint(tmp_path_factory) -> Path:
     return save_tiny("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "qwen3", **TINY)
 
 
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> Path:
+    """tie_word_embeddings: the first rank's embedding and the last rank's LM head are one weight."""
+    return save_tiny("qwen3_moe", tmp_path_factory.mktemp("tied") / "tied", tie_word_embeddings=True, **TINY)
+
+
+# routing spikes of the PP=2 x EP=2 runs: stage 0's layers, micro-batch 1 of each iteration
+SPIKES = {
+    "enabled": True, "seed": 3, "spike_probability": 1.0, "normal_max_imbalance": 1.3, "spike_max_imbalance": 2.0,
+    "layers": [0, 1], "micro_batches": [1],
+}
+DUAL = {  # the dual-batch cases: (ep, allowed, capacity)
+    "pp4-offload": (1, ["offload"], 3.4),
+    "pp4-ep2-recompute": (2, ["recompute"], 2.2),
+}
+DUAL_M = 6
+
+
+def _dual_config(checkpoint: Path, case: str, fused: bool) -> dict:
+    ep, allowed, capacity = DUAL[case]
+    spike = {"enabled": True, "seed": 3, "spike_probability": 1.0, "normal_max_imbalance": 1.3, "spike_max_imbalance": 2.0,
+             "layers": [0], "micro_batches": [1, 4]}
+    sections = {"strategies": {"allowed": allowed, "offload": {"min_bytes": 0}}, **({"spikes": spike} if ep > 1 else {})}
+    return _config(checkpoint, _bagualu(4, capacity=capacity, dual_batch=fused, **sections), pp=4, ep=ep, accumulation=DUAL_M)
+
+
+@pytest.fixture(scope="module")
+def configs(checkpoint, tied) -> dict[str, dict]:
+    """The config of every successful run of this file's tests, by name."""
+    runs = {}
+    for pp in (2, 4):
+        runs[f"pp{pp}-stock"] = _config(checkpoint, _bagualu(pp, enabled=False), pp=pp)
+        runs[f"pp{pp}-plugin"] = _config(checkpoint, _bagualu(pp), pp=pp)
+    runs["spikes-stock"] = _config(checkpoint, _bagualu(2, enabled=False, spikes=SPIKES), pp=2, ep=2)
+    runs["spikes-plugin"] = _config(checkpoint, _bagualu(2, capacity=1.3, spikes=SPIKES), pp=2, ep=2)
+    runs["ep"] = _config(checkpoint, _bagualu(2, enabled=False), pp=2, ep=2)
+    runs["dp"] = _config(checkpoint, _bagualu(2, enabled=False), pp=2, dp=2)
+    runs["tied-one"] = _config(tied, _bagualu(1, enabled=False), pp=1)
+    runs["tied-two"] = _config(tied, _bagualu(2, enabled=False), pp=2)
+    for case in DUAL:
+        for fused in (False, True):
+            runs[f"dual-{case}-{fused}"] = _dual_config(checkpoint, case, fused)
+    return runs
+
+
+def _world_runs(world: int, configs: dict[str, dict], tmp_path_factory) -> dict[str, dict]:
+    """The runs on `world` processes, in one launch."""
+    runs = {name: copy.deepcopy(data) for name, data in configs.items() if _world(data) == world}
+    return _launch(tmp_path_factory.mktemp(f"world{world}"), runs)
+
+
+@pytest.fixture(scope="module")
+def world1(configs, tmp_path_factory) -> dict[str, dict]:
+    return _world_runs(1, configs, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def world2(configs, tmp_path_factory) -> dict[str, dict]:
+    return _world_runs(2, configs, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def world4(configs, tmp_path_factory) -> dict[str, dict]:
+    return _world_runs(4, configs, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def world8(configs, tmp_path_factory) -> dict[str, dict]:
+    return _world_runs(8, configs, tmp_path_factory)
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp4"])
-def pipeline(request, checkpoint, tmp_path_factory):
-    pp, tmp = request.param, tmp_path_factory.mktemp(f"pp{request.param}")
-    stock = _launch(tmp, "stock", _config(checkpoint, _bagualu(pp, enabled=False), pp=pp))
-    plugin = _launch(tmp, "plugin", _config(checkpoint, _bagualu(pp), pp=pp))
-    return pp, stock, plugin
+def pipeline(request):
+    pp = request.param
+    runs = request.getfixturevalue(f"world{pp}")
+    return pp, runs[f"pp{pp}-stock"], runs[f"pp{pp}-plugin"]
 
 
 def _same_losses(stock: dict, plugin: dict, world: int) -> None:
@@ -138,16 +228,11 @@ def _world_rank(ep_rank: int, pp_rank: int, pp: int) -> int:
 
 
 @pytest.mark.multiprocess
-def test_expert_parallel_spike_escalates_on_the_hot_rank_only(checkpoint, tmp_path):
+def test_expert_parallel_spike_escalates_on_the_hot_rank_only(world4):
     """PP=2 x EP=2: stage 0's layers route up to 1.3x balanced onto expert-parallel rank 0's
     experts, micro-batch 1 of each iteration 1.3-2x (the plans are made for 1.3x); stock sees the
     same routing. Bitwise losses, and only world rank (ep 0, pp 0) escalates, at micro-batch 1."""
-    spikes = {
-        "enabled": True, "seed": 3, "spike_probability": 1.0, "normal_max_imbalance": 1.3, "spike_max_imbalance": 2.0,
-        "layers": [0, 1], "micro_batches": [1],
-    }
-    stock = _launch(tmp_path, "stock", _config(checkpoint, _bagualu(2, enabled=False, spikes=spikes), pp=2, ep=2))
-    plugin = _launch(tmp_path, "plugin", _config(checkpoint, _bagualu(2, capacity=1.3, spikes=spikes), pp=2, ep=2))
+    stock, plugin = world4["spikes-stock"], world4["spikes-plugin"]
     _same_losses(stock, plugin, 4)
     escalated = {rank for rank, events in plugin["events"].items() if any(e["escalations"] for e in events)}
     assert escalated == {_world_rank(0, 0, 2)}
@@ -156,23 +241,20 @@ def test_expert_parallel_spike_escalates_on_the_hot_rank_only(checkpoint, tmp_pa
 
 
 @pytest.mark.multiprocess
-def test_expert_parallel_gradients_match_data_parallel(checkpoint, tmp_path):
+def test_expert_parallel_gradients_match_data_parallel(world4):
     """The same 2 data replicas as EP=2 (experts sharded, dense gradients averaged over the group,
     expert gradients from the all-to-all's backward) and as DP=2 (everything averaged): the same
     training to float rounding."""
-    ep = _launch(tmp_path, "ep", _config(checkpoint, _bagualu(2, enabled=False), pp=2, ep=2))
-    dp = _launch(tmp_path, "dp", _config(checkpoint, _bagualu(2, enabled=False), pp=2, dp=2))
+    ep, dp = world4["ep"], world4["dp"]
     for a, b in zip(ep["metrics"], dp["metrics"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 
 
 @pytest.mark.multiprocess
-def test_tied_embeddings_over_two_stages_match_one_process(tmp_path):
+def test_tied_embeddings_over_two_stages_match_one_process(world1, world2):
     """tie_word_embeddings: the first rank's embedding and the last rank's LM head are one weight;
     its two gradients are summed, so two pipeline ranks train as one process does."""
-    tied = save_tiny("qwen3_moe", tmp_path / "tied", tie_word_embeddings=True, **TINY)
-    one = _launch(tmp_path, "one", _config(tied, _bagualu(1, enabled=False), pp=1))
-    two = _launch(tmp_path, "two", _config(tied, _bagualu(2, enabled=False), pp=2))
+    one, two = world1["tied-one"], world2["tied-two"]
     assert one["metrics"][1]["loss"] != one["metrics"][0]["loss"]
     for a, b in zip(one["metrics"], two["metrics"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
@@ -212,24 +294,16 @@ def test_a_bad_config_stops_the_launch_before_training_naming_the_field(checkpoi
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    ("ep", "allowed", "capacity"), [(1, ["offload"], 3.4), (2, ["recompute"], 2.2)], ids=["pp4-offload", "pp4-ep2-recompute"]
-)
-def test_dual_batch_is_bitwise_the_unfused_schedule(checkpoint, tmp_path, ep, allowed, capacity):
+@pytest.mark.parametrize("case", list(DUAL))
+def test_dual_batch_is_bitwise_the_unfused_schedule(case, request):
     """`bagualu.dual_batch` over 4 pipeline ranks (x 2 expert-parallel ranks, with spikes): the
     fused engine's losses equal the unfused engine's, every rank plans as it does unfused (the
     first rank offloads in one case, recomputes in the other), and rank 0's steady points ran
     fused, y+1 recovered ahead."""
-    m = 6
-    spike = {"enabled": True, "seed": 3, "spike_probability": 1.0, "normal_max_imbalance": 1.3, "spike_max_imbalance": 2.0,
-             "layers": [0], "micro_batches": [1, 4]}
-    sections = {"strategies": {"allowed": allowed, "offload": {"min_bytes": 0}}, **({"spikes": spike} if ep > 1 else {})}
-    runs = {
-        fused: _launch(tmp_path, f"fused-{fused}", _config(checkpoint, _bagualu(4, capacity=capacity, dual_batch=fused, **sections),
-                                                          pp=4, ep=ep, accumulation=m))
-        for fused in (False, True)
-    }
-    unfused, fused = runs[False], runs[True]
+    ep, allowed, _ = DUAL[case]
+    m = DUAL_M
+    runs = request.getfixturevalue(f"world{4 * ep}")
+    unfused, fused = runs[f"dual-{case}-False"], runs[f"dual-{case}-True"]
     assert [r["loss"] for r in fused["metrics"]] == [r["loss"] for r in unfused["metrics"]]
     for rank in range(4 * ep):
         assert [e["plan"] for e in fused["events"][rank]] == [e["plan"] for e in unfused["events"][rank]]

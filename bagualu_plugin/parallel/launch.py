@@ -49,15 +49,23 @@ def _rank_main(rank: int, size: int, port: int, timeout_s: float, threads: int, 
     results.put((rank, True, pickle.dumps(result)))
 
 
-def run_ranks(fn: Callable, size: int, *args, timeout_s: float = 120.0, threads: int | None = None) -> list:
+def run_ranks(
+    fn: Callable, size: int, *args, timeout_s: float = 120.0, threads: int | None = None, deadline_s: float | None = None
+) -> list:
     """`fn(rank, size, *args)` on `size` spawned processes joined in one gloo group (collectives
     time out after `timeout_s`); returns the ranks' results in rank order. `fn` must be importable
     (a module-level function) and its results picklable. `threads`: torch threads per rank
-    (default: the CPUs shared out, at least 1)."""
+    (default: the CPUs shared out, at least 1). `deadline_s`: how long the whole launch may take
+    (default `timeout_s` + 60 s: spawning and imports, then the collectives' own timeout); a
+    longer one for a launch that runs several jobs, each collective still timing out after
+    `timeout_s`."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"size must be a positive int, got {size!r}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if deadline_s is not None and deadline_s <= 0:
+        raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+    allowed = timeout_s + 60 if deadline_s is None else deadline_s
     threads = threads or max(1, (os.cpu_count() or 1) // size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -67,7 +75,7 @@ def run_ranks(fn: Callable, size: int, *args, timeout_s: float = 120.0, threads:
     ]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout_s + 60  # spawning and imports, then the collectives' own timeout
+    deadline = time.monotonic() + allowed
     out: dict[int, object] = {}
     try:
         while len(out) < size:
@@ -78,7 +86,7 @@ def run_ranks(fn: Callable, size: int, *args, timeout_s: float = 120.0, threads:
                 if dead:
                     raise RankError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} before reporting") from None
                 if time.monotonic() > deadline:
-                    raise RankError(f"ranks {sorted(set(range(size)) - set(out))} did not finish within {timeout_s + 60:.0f} s") from None
+                    raise RankError(f"ranks {sorted(set(range(size)) - set(out))} did not finish within {allowed:.0f} s") from None
                 continue
             if not ok:
                 raise RankError(f"rank {rank} failed: {value}")
