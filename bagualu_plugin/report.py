@@ -260,7 +260,8 @@ def stage_text(stage: Stage, curves: Sequence[tuple[str, Curve]], title: str) ->
     chunks = "" if len(stage.chunks) == 1 else f" (its {len(stage.chunks)} chunk forwards together)"
     out.append(
         f"micro-batch{chunks}: Δt_f {fmt_seconds(mb.forward_s)}, Δt_b {fmt_seconds(mb.backward_s)}, "
-        f"Δm {fmt_bytes(mb.activation_bytes)}; M0 (full recompute at {recipe.spikes.normal_max_imbalance:g}x routing"
+        f"Δm {fmt_bytes(mb.activation_bytes)}; M0 (full recompute"
+        f"{' with the all-to-alls' if recipe.parallel.dispatches else ''} at {recipe.spikes.spike_max_imbalance:g}x routing"
         f"{', largest chunk' if chunks else ''}) {fmt_bytes(stage.min_budget)}"
     )
     for label, curve in curves:

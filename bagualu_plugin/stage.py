@@ -62,9 +62,12 @@ class Stage:
         else:
             static = budget.non_activation_bytes
         m0 = budget.min_budget
-        if m0 == "auto":  # at the routing plans are made for: under expert parallelism what recompute keeps grows with it
-            routed = tokens * stage.pairs_per_token * recipe.spikes.normal_max_imbalance
-            m0 = max(math.ceil(c.footprint(tokens, routed, recipe.batch.seq_len, c.full_recompute()).device_bytes) for c in chunks)
+        if m0 == "auto":  # the floor every gate can reach: under expert parallelism together (nothing per routed pair)
+            routed = tokens * stage.pairs_per_token * recipe.spikes.spike_max_imbalance
+            m0 = max(
+                math.ceil(c.footprint(tokens, routed, recipe.batch.seq_len, c.full_recompute(collective=True)).device_bytes)
+                for c in chunks
+            )
         return cls(recipe, stage, tokens, static, m0, chunks)
 
     def chunk(self, c: int) -> Stage:

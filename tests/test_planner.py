@@ -154,20 +154,27 @@ def test_plans_leave_each_gate_what_it_needs_at_the_heaviest_routing():
     assert unspiked.decision.plan == first.plan  # no spikes to leave room for
 
 
-def test_algorithm_2_reaches_m0_where_its_greedy_stops_above_it():
-    """GLM-423B-A30B at 8K tokens, rank 0's first chunk, at M0 (full recompute at the normal band's
-    routing): the largest reductions first (offloads and casts of the biggest tensors, then what
-    they leave) stop above M0, so Algorithm 2 returns full recompute, which Algorithm 1 guarantees
-    fits; with room to spare the greedy's own mix is the plan."""
+def test_algorithm_2_reaches_full_recompute_where_its_greedy_stops_above_it():
+    """GLM-423B-A30B at 8K tokens, rank 0's first chunk, at what full recompute keeps: the largest
+    reductions first (offloads and casts of the biggest tensors, then what they leave) stop above
+    it, so Algorithm 2 returns full recompute; with room to spare the greedy's own mix is the plan.
+    Under expert parallelism M0 is below that (the floor the gates reach together, nothing per
+    routed pair): no plan one rank makes alone fits it, and the best, where the gates' collective
+    escalations start, is full recompute."""
     recipe = load_recipe("glm-423b-a30b")
     recipe = recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"seq_len": 8192})})
     stage = Stage.of(recipe).chunk(0)
     cm, tokens, seq, options = stage.cost, stage.tokens, stage.recipe.batch.seq_len, stage.options
     routed = 1.2 * tokens * cm.pairs_per_token
     strategies = stage.recipe.strategies.allowed
-    at_m0 = plan_micro_batch(cm, stage.min_budget, tokens, routed, seq, strategies, options)
-    assert dict(at_m0.plan) == cm.full_recompute() and at_m0.activation_bytes <= stage.min_budget
+    whole = cm.footprint(tokens, routed, seq, cm.full_recompute(), options).needed_bytes
+    at_whole = plan_micro_batch(cm, whole, tokens, routed, seq, strategies, options)
+    assert dict(at_whole.plan) == cm.full_recompute() and at_whole.activation_bytes <= whole
     with pytest.raises(InfeasibleBudget):  # without recompute nothing gets there
-        plan_micro_batch(cm, stage.min_budget, tokens, routed, seq, ("offload", "fp8"), options)
-    roomy = plan_micro_batch(cm, 2 * stage.min_budget, tokens, routed, seq, strategies, options)
-    assert dict(roomy.plan) != cm.full_recompute() and roomy.activation_bytes + roomy.reload_bytes <= 2 * stage.min_budget
+        plan_micro_batch(cm, whole, tokens, routed, seq, ("offload", "fp8"), options)
+    roomy = plan_micro_batch(cm, 2 * whole, tokens, routed, seq, strategies, options)
+    assert dict(roomy.plan) != cm.full_recompute() and roomy.activation_bytes + roomy.reload_bytes <= 2 * whole
+    assert stage.min_budget < whole
+    with pytest.raises(InfeasibleBudget) as below:
+        plan_micro_batch(cm, stage.min_budget, tokens, routed, seq, strategies, options)
+    assert dict(below.value.best.plan) == cm.full_recompute()

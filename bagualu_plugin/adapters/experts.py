@@ -188,7 +188,9 @@ def adapted_weights(wrapped: nn.Module | None) -> Iterator[None]:
         yield
 
 
-def _through_runner(experts: nn.Module, unit: tuple[str, ...], op, *args, **kwargs):
+def run_unit(experts: nn.Module, unit: tuple[str, ...], op, *args, **kwargs):
+    """`op(experts, *args, **kwargs)`, through the module's runner when one is set (which may
+    run it as the recompute region of `unit`)."""
     runner = getattr(experts, RUNNER_ATTR, None)
     if runner is None:
         return op(experts, *args, **kwargs)
@@ -197,7 +199,7 @@ def _through_runner(experts: nn.Module, unit: tuple[str, ...], op, *args, **kwar
 
 def _run(experts: nn.Module, name: str, *args, **kwargs):
     enter_expert_op(experts, name)
-    return _through_runner(experts, (name,), OPS[name], *args, **kwargs)
+    return run_unit(experts, (name,), OPS[name], *args, **kwargs)
 
 
 def _local(experts: nn.Module, hidden_states, top_k_index, top_k_weights, dtype, stable):
@@ -216,7 +218,7 @@ def local_experts(
 ) -> torch.Tensor:
     """expert_fc1, expert_act, expert_fc2 on the rows this module's experts receive: the routed
     experts' recompute unit (`costmodel.graph.EXPERT_OPS`), run as one through the runner."""
-    return _through_runner(experts, EXPERT_OPS, _local, hidden_states, top_k_index, top_k_weights, dtype, stable)
+    return run_unit(experts, EXPERT_OPS, _local, hidden_states, top_k_index, top_k_weights, dtype, stable)
 
 
 # --- expert parallelism ------------------------------------------------------------------------

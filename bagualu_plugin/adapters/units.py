@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..costmodel.graph import ATTENTION_OPS, EXPERT_OPS, standard_spans, standard_units
+from ..costmodel.graph import ATTENTION_OPS, EXPERT_OPS, collective_unit, standard_spans, standard_units
 from .adapter import Adapter
 
 
 def unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Module | None:
     """The module whose forward runs `unit` (a recompute unit or a span); None for the routed
-    experts and their ops (run by the experts' runner) and the LM head with the loss (run by the
-    loss runner)."""
+    experts, their ops and their collective unit (run by the experts' runner) and the LM head
+    with the loss (run by the loss runner)."""
     if layer == -1:
         return adapter.decoder.embed_tokens
     if layer == adapter.head_index:
@@ -22,7 +22,7 @@ def unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Modul
         return part.module
     if unit[0] in ATTENTION_OPS:
         return part.module.self_attn
-    if unit == EXPERT_OPS:
+    if unit == EXPERT_OPS or unit == collective_unit(unit):
         return None
     single = {
         "attn_norm": part.module.input_layernorm,
@@ -49,9 +49,11 @@ def block_kind(adapter: Adapter, layer: int) -> tuple[str, tuple[str, ...]]:
 
 
 def block_units(adapter: Adapter, layer: int) -> tuple[tuple[str, ...], ...]:
-    """The block's recompute units, as the analytic and profiled cost models have them."""
+    """The block's recompute units, as the analytic and profiled cost models have them, with its
+    collective unit under expert parallelism (`BlockGraph.collective`)."""
     kind, ops = block_kind(adapter, layer)
-    return standard_units(kind, ops, shared_alone=adapter.family.shared_expert_alone)
+    together = collective_unit(ops)
+    return standard_units(kind, ops, shared_alone=adapter.family.shared_expert_alone) + ((together,) if together else ())
 
 
 def block_spans(adapter: Adapter, layer: int) -> tuple[tuple[str, ...], ...]:

@@ -38,7 +38,8 @@ BlockKind = Literal["embed", "dense", "moe", "head"]
 ATTENTION_OPS = ("attn_qkv", "attn_core", "attn_out")
 MOE_OPS = ("router", "dispatch", "expert_fc1", "expert_act", "expert_fc2", "combine", "shared_expert")
 EXPERT_OPS = ("expert_fc1", "expert_act", "expert_fc2")
-COMM_OPS = ("dispatch", "combine")  # expert parallelism's all-to-alls: in no recompute unit or span
+COMM_OPS = ("dispatch", "combine")  # expert parallelism's all-to-alls: in no unit one rank recomputes alone
+COLLECTIVE_OPS = ("dispatch", *EXPERT_OPS, "combine")  # the routed experts with their all-to-alls
 LOSS_OPS = ("lm_head", "loss")  # the head's loss runner replays both: HF's lm_head, then the model's loss
 
 
@@ -66,6 +67,16 @@ def standard_units(kind: str, ops: tuple[str, ...], shared_alone: bool = True) -
     units = [ops, *(tuple(o for o in ops if o in group) for group in (ATTENTION_OPS, MOE_OPS, EXPERT_OPS))]
     units += [(o,) for o in ops if o in alone]
     return tuple(dict.fromkeys(u for u in units if u and not set(u) & set(COMM_OPS)))
+
+
+def collective_unit(ops: tuple[str, ...]) -> tuple[str, ...]:
+    """Under expert parallelism, the routed experts with their dispatch and combine (`COLLECTIVE_OPS`):
+    a region whose replay runs the all-to-alls again, so every rank of the expert-parallel group
+    must recompute it in the same micro-batch (a static plan the same on every rank, or the gate's
+    collective escalation, which every rank agrees on: `planner.gate`). It holds the MoE block's
+    input and the router's outputs only, nothing per routed pair, so no spike can grow it. () for
+    a block that does not dispatch."""
+    return tuple(o for o in ops if o in COLLECTIVE_OPS) if "dispatch" in ops else ()
 
 
 def standard_spans(kind: str, ops: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
@@ -167,9 +178,14 @@ class BlockGraph:
 
     @property
     def recompute_units(self) -> tuple[tuple[str, ...], ...]:
-        """Op runs that can be replayed in backward, largest first."""
+        """Op runs one rank can replay in backward on its own, largest first."""
         units = self.units or (self.op_names, *((name,) for name in self.op_names))
         return tuple(sorted(units, key=len, reverse=True))
+
+    @property
+    def collective(self) -> tuple[str, ...]:
+        """The unit every rank of the expert-parallel group recomputes together (`collective_unit`)."""
+        return collective_unit(self.op_names)
 
     def op(self, name: str) -> OpSpec:
         for op in self.ops:

@@ -124,8 +124,10 @@ def cover(
 
 
 def recompute_regions(block: BlockGraph, plan: Mapping[str, str]) -> list[Region]:
-    """The checkpoint regions that realise the plan's recomputed ops in `block`."""
-    return cover(block.recompute_units, block.spans, {op for op, s in plan.items() if s == "recompute"}, block.kind)
+    """The checkpoint regions that realise the plan's recomputed ops in `block` (with its
+    collective unit, which a plan recomputes only where every rank does)."""
+    units = (*block.recompute_units, block.collective) if block.collective else block.recompute_units
+    return cover(units, block.spans, {op for op, s in plan.items() if s == "recompute"}, block.kind)
 
 
 def holding_regions(block: BlockGraph, plan: Mapping[str, str], chunked: bool = False) -> list[Region]:

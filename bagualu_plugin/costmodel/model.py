@@ -253,13 +253,17 @@ class CostModel:
         units = [u for u in block.recompute_units if op.name in u]
         return [OpId(op.layer, name) for name in min(units, key=len)] if units else []
 
-    def full_recompute(self) -> dict[OpId, str]:
+    def full_recompute(self, collective: bool = False) -> dict[OpId, str]:
         """Every op that can be recomputed, recomputed: a decoder layer then keeps only its input
-        (the paper's M0 plan), the head its input, the final norm's output and the labels."""
+        (the paper's M0 plan), the head its input, the final norm's output and the labels.
+        Under expert parallelism one rank alone cannot recompute the all-to-alls, so its routed
+        experts hold the rows dispatch received; `collective`: with every MoE layer's collective
+        unit too (`graph.collective_unit`), which holds nothing per routed pair: a static policy
+        the same on every rank, and the floor the gates reach together (M0)."""
         return {
             OpId(i, name): "recompute"
             for i, b in self.blocks.items()
-            for name in dict.fromkeys(n for unit in (*b.recompute_units, *b.spans) for n in unit)
+            for name in dict.fromkeys(n for unit in (*b.recompute_units, *b.spans, *(b.collective,) * collective) for n in unit)
         }
 
     # pipeline stages and static memory ---------------------------------------------------------

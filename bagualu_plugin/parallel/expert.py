@@ -21,9 +21,12 @@ dispatch and combine keep nothing of their own for backward: they keep the route
 (the very storage the router keeps) and sort it again in backward to rebuild the permutation,
 so under expert parallelism every saved byte still belongs to the model's operators
 (docs/architecture.md), and the experts' bytes grow with the pairs this rank received. Their collectives run
-in every rank's forward and backward in the same order, never inside a recompute: the routed
-experts' recompute unit is the local computation between them (`costmodel.graph.COMM_OPS`), so
-plans may differ per rank.
+in every rank's forward and backward in the same order. A recompute one rank chooses alone never
+holds them: the routed experts' recompute unit is the local computation between them
+(`costmodel.graph.COMM_OPS`), so plans may differ per rank. Dispatch, the experts and combine
+together (`exchange`) are the collective unit (`costmodel.graph.collective_unit`): a region that
+every rank runs in the same micro-batch (a static plan, or the gates' agreed escalation, `any_rank`),
+whose replay runs the rows' all-to-alls again on every rank; the counts are exchanged once.
 
 Exactness against one process running the full model on the rank's batch: the forward and every
 non-expert gradient are computed by the same torch ops on the same rows (the sort, the gathers,
@@ -37,15 +40,17 @@ states the tolerance and measures it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..adapters.adapter import GATE_ATTR, Adapter
-from ..adapters.experts import GROUP_ATTR, IMPLEMENTATION, local_expert_range, local_experts, require_plain_weights
+from ..adapters.experts import GROUP_ATTR, IMPLEMENTATION, local_expert_range, local_experts, require_plain_weights, run_unit
 from ..adapters.gate import tokens_per_expert
 from ..adapters.scopes import enter_expert_op
+from ..costmodel.graph import COLLECTIVE_OPS
 
 
 @dataclass(frozen=True)
@@ -59,9 +64,15 @@ class ExpertGroup:
     local: range  # the experts this rank hosts
 
     def forward(self, experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """The expert-parallel MoE experts: dispatch, the local experts, combine."""
+        """The expert-parallel MoE experts: the counts exchanged (the gate), then dispatch, the local
+        experts and combine, the collective unit, through the experts' runner."""
         enter_expert_op(experts, "dispatch")
         route = self.route(experts, top_k_index)
+        return run_unit(experts, COLLECTIVE_OPS, partial(self.exchange, route=route), hidden_states, top_k_index, top_k_weights)
+
+    def exchange(self, experts: nn.Module, hidden_states, top_k_index, top_k_weights, *, route: _Route) -> torch.Tensor:
+        """Dispatch, the local experts, combine, for the counts `route` exchanged: what a region of
+        the collective unit replays (the same all-to-alls on every rank)."""
         rows, weights = _Dispatch.apply(hidden_states, top_k_weights, top_k_index, route)
         local_ids = torch.repeat_interleave(
             torch.arange(len(self.local), device=rows.device).repeat(self.size),
@@ -155,6 +166,15 @@ class _Combine(torch.autograd.Function):
         route, perm = ctx.route, _sorted_pairs(top_k_index)
         # each pair's gradient is its token's (the sum's backward): one gather by token
         return _all_to_all(grad[perm // top_k_index.size(-1)], route.got, route.sent, route.group), None, None
+
+
+def any_rank(asks: bool, group: ExpertGroup, device: torch.device) -> bool:
+    """Whether any rank of the group asks (one all-reduce of one integer on `device`, which the
+    process group's backend serves): the gates' agreement on a collective escalation. Every rank
+    calls it at the same gates in the same order."""
+    flag = torch.tensor([int(asks)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.group)
+    return bool(flag.item())
 
 
 def expert_group(experts: nn.Module) -> ExpertGroup | None:

@@ -15,10 +15,11 @@ balanced routing) and each plan's gates, so a micro-batch's decisions are lookup
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..costmodel.graph import COLLECTIVE_OPS, EXPERT_OPS
 from ..costmodel.mitigation import MitigationOptions
 from ..costmodel.model import CostModel
 from ..costmodel.plan import Plan
@@ -41,12 +42,14 @@ class Deferral:
 
 @dataclass(frozen=True)
 class Escalation:
-    """A gate whose layer's routed experts are recomputed; `slack_after` is what is left then."""
+    """A gate whose layer's routed experts are recomputed (`collective`: with their all-to-alls, on
+    every rank of the expert-parallel group); `slack_after` is what is left then."""
 
     layer: int
     local_pairs: float
     overrun: float
     slack_after: float
+    collective: bool = False
 
 
 @dataclass
@@ -98,7 +101,7 @@ class Decider:
     def __init__(self, stage: Stage, costs: dict[Hashable, CostModel] | None = None, bands: dict | None = None):
         self.costs: dict[Hashable, CostModel] = dict(costs) if costs is not None else {None: stage.cost}
         self._bands: dict[tuple, Band] = {} if bands is None else bands
-        self._escalated: dict[tuple[Plan, int], Plan] = {}  # one Plan per escalation: caches of plans hit by identity
+        self._escalated: dict[tuple[Plan, int, bool], Plan] = {}  # one Plan per escalation: caches of plans hit by identity
         self._quanta = (0, 0)
         self._use(stage)
         self.budgets = self.first.copy()
@@ -152,20 +155,28 @@ class Decider:
         gates, slack = plan_for_gates(band.plan, band.gates.__getitem__, budget, band.planned, band.heaviest)
         return Forward(k, budget, gates, gates.decision.plan, slack, self.budgets.headroom(k), band.balanced)
 
-    def at_gate(self, f: Forward, layer: int, pairs: float) -> GateDecision:
+    def at_gate(self, f: Forward, layer: int, pairs: float, agree: Callable[[bool], bool] | None = None) -> GateDecision:
         """Deferred planning: `pairs` local routed pairs reached `layer`'s experts, which have not
-        run yet; an escalation recomputes them (`f.plan` then says so)."""
+        run yet; an escalation recomputes them (`f.plan` then says so). `agree`: under expert
+        parallelism, whether any rank of the group asks for the layer's collective escalation,
+        given this rank's ask (called at every gate that has one, so every rank calls it in the
+        same order); the rank joins when another asked. None: this rank's ask stands alone (the
+        simulator's rank, the busiest of its group)."""
         f.routed[layer] = pairs
         decision = f.gates.at_gate(layer, pairs, f.slack, f.headroom)
+        if agree is not None and f.gates.costs[layer].collective is not None:
+            if agree(decision.action == "collective") and decision.action != "collective":
+                decision = f.gates.join(layer, pairs, f.slack, f.headroom)
         f.slack, f.headroom = decision.slack, decision.headroom
         if decision.action == "defer":
             f.deferred.append(Deferral(layer, pairs, decision.overrun))
-        elif decision.action == "escalate":
-            up = self._escalated.get((f.plan, layer))
+        elif decision.action in ("escalate", "collective"):
+            together = decision.action == "collective"
+            up = self._escalated.get((f.plan, layer, together))
             if up is None:
-                up = self._escalated[f.plan, layer] = escalated(f.plan, layer)
+                up = self._escalated[f.plan, layer, together] = escalated(f.plan, layer, COLLECTIVE_OPS if together else EXPERT_OPS)
             f.plan = up
-            f.escalations.append(Escalation(layer, pairs, decision.overrun, decision.slack))
+            f.escalations.append(Escalation(layer, pairs, decision.overrun, decision.slack, together))
         return decision
 
     def end(self, f: Forward, actual: int) -> None:
@@ -178,10 +189,11 @@ def static_plan(
     options: MitigationOptions = MitigationOptions(),
 ) -> Plan:
     """A static policy's one plan for every micro-batch (§II-B's static workflow): Algorithm 2 of
-    `strategies` at `budget` for `routed` local pairs per MoE layer; full recompute where
-    `strategies` is None or nothing they make fits, what a static tuner falls back to."""
+    `strategies` at `budget` for `routed` local pairs per MoE layer; where nothing they make fits,
+    full recompute as one rank may choose it alone, what a static tuner falls back to. Where
+    `strategies` is None, full recompute with the all-to-alls (the same plan on every rank)."""
     if strategies is None:
-        return Plan(cm.full_recompute())
+        return Plan(cm.full_recompute(collective=True))
     try:
         return plan_micro_batch(cm, budget, tokens, [routed] * len(cm.moe_layers), seq_len, strategies, options).plan
     except InfeasibleBudget:

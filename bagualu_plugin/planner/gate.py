@@ -7,6 +7,14 @@ overrun before anything is recomputed. Otherwise the layer's routed experts are 
 unit, which keeps nothing per routed pair in one process (under expert parallelism it holds the
 rows dispatch received, so the caller prices it at the pairs that arrived: `gate_costs`).
 
+Under expert parallelism, where that escalation still leaves the micro-batch over its budget, the
+gate asks for the collective escalation: the layer's experts recomputed with their dispatch and
+combine (`graph.collective_unit`), which holds nothing per routed pair. Its replay runs the
+all-to-alls again, so every rank of the group must do it in the same micro-batch: the ranks agree
+at each gate (one small collective; the Provisioner's), and a rank that did not ask joins
+(`GatePlan.join`). This floor is the static full recompute's (`CostModel.full_recompute(
+collective=True)`, Algorithm 1's M0), whatever the routing.
+
 Escalation bounds a layer's growth but need not remove it: under expert parallelism the held rows
 still grow with the pairs, and a plan that already mitigates the experts saves little more. So
 `plan_for_gates` plans the normal band at a budget that leaves every MoE layer's gate the bytes it
@@ -31,19 +39,22 @@ from .greedy import Decision, InfeasibleBudget
 
 @dataclass(frozen=True)
 class GateDecision:
-    action: Literal["fits", "defer", "escalate"]
+    action: Literal["fits", "defer", "escalate", "collective"]
     overrun: float  # bytes the arrived pairs need beyond the slack; 0 when they fit
     slack: float  # bytes the micro-batch may still add under its budget, after the decision
     headroom: float  # bytes later warmup micro-batches can still give up, after the decision
 
 
 def at_gate(
-    pairs: float, planned: float, bytes_per_pair: float, escalation_bytes: float, slack: float, headroom: float, reserve: float = 0.0
+    pairs: float, planned: float, bytes_per_pair: float, escalation_bytes: float, slack: float, headroom: float, reserve: float = 0.0,
+    collective_bytes: float | None = None,
 ) -> GateDecision:
     """What to do when `pairs` local routed pairs reach a layer planned for `planned`.
     `escalation_bytes`: what the layer keeps with its experts recomputed and `pairs` arrived,
     minus what its plan keeps at `planned` pairs (negative: it saves); `reserve`: the part of
-    the slack the later layers' gates may need (`GatePlan.after`), which this one leaves alone."""
+    the slack the later layers' gates may need (`GatePlan.after`), which this one leaves alone;
+    `collective_bytes`: the same for the collective escalation (None: the layer has none), asked
+    for only where the experts' escalation leaves the slack negative."""
     extra = (pairs - planned) * bytes_per_pair
     usable = slack - reserve
     if extra <= usable:  # fewer pairs than planned give nothing back: the plan's estimate stands
@@ -51,7 +62,9 @@ def at_gate(
     overrun = extra - usable
     if overrun <= headroom:
         return GateDecision("defer", overrun, reserve, headroom - overrun)
-    return GateDecision("escalate", overrun, slack - escalation_bytes, headroom)
+    if collective_bytes is None or slack - escalation_bytes >= 0:
+        return GateDecision("escalate", overrun, slack - escalation_bytes, headroom)
+    return GateDecision("collective", overrun, slack - collective_bytes, headroom)
 
 
 class LayerCost(NamedTuple):
@@ -60,15 +73,22 @@ class LayerCost(NamedTuple):
     per_pair: float  # device bytes each local routed pair beyond the planned ones adds
     escalation: float  # bytes recomputing the layer's experts changes, from the plan at planned pairs
     escalated_per_pair: float  # what each local pair adds once they recompute (under EP: the held rows)
+    collective: float | None = None  # the same for the collective escalation (None: no expert parallelism)
+    collective_per_pair: float = 0.0
 
     def escalation_bytes(self, pairs: float, planned: float) -> float:
         """`at_gate`'s `escalation_bytes` when `pairs` arrive at a layer planned for `planned`."""
         return self.escalation + (pairs - planned) * self.escalated_per_pair
 
+    def collective_bytes(self, pairs: float, planned: float) -> float | None:
+        """`at_gate`'s `collective_bytes` when `pairs` arrive at a layer planned for `planned`."""
+        return None if self.collective is None else self.collective + (pairs - planned) * self.collective_per_pair
 
-def escalated(plan: Plan, layer: int) -> Plan:
-    """`plan` with `layer`'s routed experts recomputed as one unit: the gate's escalation."""
-    return Plan({**plan, **{OpId(layer, n): "recompute" for n in EXPERT_OPS}})
+
+def escalated(plan: Plan, layer: int, ops: tuple[str, ...] = EXPERT_OPS) -> Plan:
+    """`plan` with `layer`'s `ops` recomputed as one unit: the gate's escalation (the routed
+    experts), or its collective one (`graph.collective_unit`)."""
+    return Plan({**plan, **{OpId(layer, n): "recompute" for n in ops}})
 
 
 def gate_costs(
@@ -76,8 +96,9 @@ def gate_costs(
 ) -> dict[int, LayerCost]:
     """Per MoE layer of `cm` under `plan` at `planned` local pairs: the bytes of each extra local
     routed pair, what recomputing its experts changes, and the bytes per pair then (none in one
-    process; under expert parallelism the region holds the dispatched rows). Finite differences
-    over `step` pairs of the cost model's (linear) saved bytes."""
+    process; under expert parallelism the region holds the dispatched rows), and the same for the
+    collective escalation under expert parallelism. Finite differences over `step` pairs of the
+    cost model's (linear) saved bytes."""
     step = 1024
 
     def kept(layer: int, plan: Plan, routed: float) -> float:
@@ -89,10 +110,18 @@ def gate_costs(
     for layer in cm.moe_layers:
         base, up = kept(layer, plan, planned), escalated(plan, layer)
         recomputed = kept(layer, up, planned)
+        together = cm.blocks[layer].collective
+        if together:
+            both = escalated(plan, layer, together)
+            floor = kept(layer, both, planned)
+            collective = (floor - base, (kept(layer, both, planned + step) - floor) / step)
+        else:
+            collective = (None, 0.0)
         costs[layer] = LayerCost(
             (kept(layer, plan, planned + step) - base) / step,
             recomputed - base,
             (kept(layer, up, planned + step) - recomputed) / step,
+            *collective,
         )
     return costs
 
@@ -109,6 +138,7 @@ class GatePlan:
     after: Mapping[int, float]
     planned: float  # local routed pairs per MoE layer the plan was made for
     need: float
+    floor: float = 0.0  # what every gate's strongest escalation frees at planned pairs, together
 
     @classmethod
     def of(cls, decision: Decision, costs: Mapping[int, LayerCost], planned: float, heaviest: float) -> GatePlan:
@@ -119,13 +149,23 @@ class GatePlan:
         for layer in sorted(need, reverse=True):
             after[layer] = later
             later += need[layer]
-        return cls(decision, costs, after, planned, sum(need.values()))
+        floor = -sum(min(0.0, c.escalation if c.collective is None else c.collective) for c in costs.values())
+        return cls(decision, costs, after, planned, sum(need.values()), floor)
 
     def at_gate(self, layer: int, pairs: float, slack: float, headroom: float) -> GateDecision:
         """`at_gate` for `layer` when `pairs` local routed pairs arrive, with the micro-batch's
         current slack and headroom."""
+        c, planned = self.costs[layer], self.planned
+        return at_gate(
+            pairs, planned, c.per_pair, c.escalation_bytes(pairs, planned), slack, headroom, self.after[layer],
+            c.collective_bytes(pairs, planned),
+        )
+
+    def join(self, layer: int, pairs: float, slack: float, headroom: float) -> GateDecision:
+        """The collective escalation of `layer` on a rank that did not ask for it (another rank of
+        the group did), from the slack and headroom it had before its own decision."""
         c = self.costs[layer]
-        return at_gate(pairs, self.planned, c.per_pair, c.escalation_bytes(pairs, self.planned), slack, headroom, self.after[layer])
+        return GateDecision("collective", 0.0, slack - c.collective_bytes(pairs, self.planned), headroom)
 
 
 def plan_for_gates(

@@ -148,11 +148,10 @@ def plan_micro_batch(
     for plan, current, steps in greedy_path(cm, tokens, routed, seq_len, strategies, options):
         if current.needed_bytes <= budget:
             return _decision(plan, current, steps)
-    last = _decision(plan, current, steps)
     whole = _full_recompute(cm, tokens, routed, seq_len, strategies, options, steps)
     if whole is not None and whole[0].needed_bytes <= budget:
         return whole[1]
-    raise _infeasible(budget, tokens, strategies, current.needed_bytes, last)
+    raise _infeasible(budget, tokens, strategies, _decision(plan, current, steps), whole)
 
 
 def _full_recompute(
@@ -173,12 +172,16 @@ def _full_recompute(
     return cost, _decision(whole, cost, steps)
 
 
-def _infeasible(budget: float, tokens: int, strategies: Sequence[str], needed: float, best: Decision) -> InfeasibleBudget:
+def _infeasible(
+    budget: float, tokens: int, strategies: Sequence[str], last: Decision, whole: tuple[Footprint, Decision] | None
+) -> InfeasibleBudget:
     """A new `InfeasibleBudget` for `budget` (never re-raise a kept one: each raise chains the
-    raiser's frames onto its traceback)."""
+    raiser's frames onto its traceback), its best plan the greedy's end `last` or full recompute
+    (`whole`), whichever needs less: the gates' escalations start from it."""
+    best = whole[1] if whole is not None and whole[0].needed_bytes < last.activation_bytes + last.reload_bytes else last
     return InfeasibleBudget(
         f"budget {budget:.0f} bytes is below what any plan of {', '.join(strategies)} keeps: at best "
-        f"{needed:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
+        f"{best.activation_bytes + best.reload_bytes:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
         "in-flight micro-batches) or allow more strategies",
         best,
     )

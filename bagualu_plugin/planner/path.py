@@ -91,7 +91,7 @@ class PathPlanner:
         fallback = self._fallback(key, path)
         if fallback is not None and fallback[0].needed_bytes <= floor:
             return fallback[1]
-        raise _infeasible(floor, key[0], self.strategies, -path.negated[-1], path.decisions[-1])  # new each time
+        raise _infeasible(floor, key[0], self.strategies, path.decisions[-1], fallback)  # new each time
 
     def complete(self, key: _Key) -> list[Decision]:
         """Every plan `answer` can give on the path `key` names, computed now (the whole path

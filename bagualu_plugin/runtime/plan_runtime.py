@@ -100,8 +100,9 @@ class PlanRuntime:
                 if layer < 0 or layer >= len(self.adapter.layers) or not self.adapter.layers[layer].expert_parallel:
                     raise
                 raise ValueError(
-                    f"{error}. Under expert parallelism no recompute region may hold dispatch or combine (all-to-alls "
-                    "that every rank must join): the whole layer and the MoE block are no units"
+                    f"{error}. Under expert parallelism dispatch and combine (all-to-alls that every rank must join) are "
+                    "recomputed only with the routed experts between them, as one region on every rank at once: "
+                    "dispatch, expert_fc1, expert_act, expert_fc2 and combine together"
                 ) from None
             for region in covered:
                 regions[(layer, region.ops)] = frozenset(region.dropped)
@@ -198,7 +199,8 @@ class PlanRuntime:
     def _runner(self, layer: int):
         """The experts' runner: the routed experts (`EXPERT_OPS`) or one expert op, as a region
         if the plan makes it one (under expert parallelism, the computation between dispatch and
-        combine), with PEFT's LoRA on the expert weights in force when it replays."""
+        combine; or, the collective unit, dispatch and combine with it), with PEFT's LoRA on the
+        expert weights in force when it replays."""
         wrapped = self.adapter.layers[layer].wrapped
 
         def run(unit, op, experts, *args, **kwargs):

@@ -5,9 +5,12 @@ At each pipeline scheduling point the Provisioner gives the next forward micro-b
 and installs the plan. Right after each MoE gate the real local routed pairs are known and
 `planner.at_gate` decides: they fit the slack; or, in warmup, the later warmup micro-batches give
 the bytes up; or that layer's routed experts are recomputed as one unit before they run
-(deferred planning). That is the strongest escalation left once the router has run (the paper
-recomputes the whole MoE block), and it holds nothing per routed pair, the only bytes a spike
-adds. After the forward the budget is replaced by what the Ledger counted. The engine
+(deferred planning). In one process that holds nothing per routed pair, the only bytes a spike
+adds. Under expert parallelism it still holds the rows dispatch received; where that does not
+fit, the ranks of the group agree at the gate (`parallel.expert.any_rank`) and recompute the
+layer's experts with their all-to-alls on every rank (the collective escalation, the floor: the
+paper recomputes the whole MoE block). After the forward the budget is replaced by what the
+Ledger counted. The engine
 (`runtime.driver.run_iteration`, or nanotron's pipeline) calls `begin_forward`, `end_forward`,
 `end_backward`.
 """
@@ -32,6 +35,7 @@ from ..adapters.gate import GateMonitor
 from ..config import Batch, Recipe
 from ..costmodel import CostModel
 from ..derive import derive_recipe
+from ..parallel.expert import any_rank, expert_group
 from ..planner.decider import Decider, Deferral, Escalation, Forward
 from ..stage import Stage, mitigation_options
 from .boundaries import Boundaries, ForwardKind
@@ -176,6 +180,7 @@ class Provisioner:
         self.runtime.install()
         self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate).install()  # active while a forward runs
         self.gate.active = False
+        self._groups = {part.index: expert_group(part.experts) for part in adapter.layers if part.moe}  # None: one process
         self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
         # the latest micro-batches' events (a long run would otherwise grow without bound) and
         # running totals over all of them
@@ -300,11 +305,12 @@ class Provisioner:
         # leaving each gate what it needs to catch routing up to spike_max_imbalance
         decided = self.decider.begin(mb, tokens, seq_len, kind)
         decision, budget = decided.gates.decision, decided.budget
-        if decided.slack < 0:
+        if decided.slack + decided.gates.floor < 0:
             warnings.warn(
-                f"micro-batch {mb}: its budget of {budget} bytes is below what any plan keeps at the normal band's routing "
-                f"({decision.activation_bytes + decision.reload_bytes:.0f} bytes): it runs the most mitigated plan, which "
-                "fits only lighter routing; raise the capacity or the pipeline degree, or shorten the micro-batch",
+                f"micro-batch {mb}: its budget of {budget} bytes is below what any plan keeps at the normal band's routing, "
+                f"every gate escalated ({decision.activation_bytes + decision.reload_bytes - decided.gates.floor:.0f} bytes): "
+                "it runs the most mitigated plan, which fits only lighter routing; raise the capacity or the pipeline "
+                "degree, or shorten the micro-batch",
                 RuntimeWarning, stacklevel=2,
             )
         self.runtime.set_plan(decision.plan)
@@ -322,11 +328,16 @@ class Provisioner:
         return event
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
-        """Deferred planning: the experts of `layer` have not run yet (`planner.at_gate`)."""
+        """Deferred planning: the experts of `layer` have not run yet (`planner.at_gate`). Under
+        expert parallelism every rank of the group answers whether one asks for the collective
+        escalation, at every gate (so the ranks' collectives stay in one order)."""
         f = self._forward
         if f is None or layer not in f.decided.gates.costs:
             return
-        if self.decider.at_gate(f.decided, layer, int(local_pairs)).action == "escalate":  # one host sync per MoE layer
+        group, before = self._groups.get(layer), f.decided.plan
+        agree = None if group is None else (lambda asks: any_rank(asks, group, local_pairs.device))
+        self.decider.at_gate(f.decided, layer, int(local_pairs), agree)  # one host sync per MoE layer (two under EP)
+        if f.decided.plan is not before:
             self.runtime.set_plan(f.decided.plan)
 
     def end_forward(self, mb: int) -> int:

@@ -1,0 +1,52 @@
+"""The floor (paper §V-A, Algorithm 1's M0): on every Table II preset at 4K, 8K and 16K tokens
+per sequence, the plan BaGuaLu runs at the smallest budget Algorithm 1 gives (M0), once its gates
+have seen the routing, keeps no more than the strongest static policy the simulator knows, full
+recompute with the all-to-alls (`CostModel.full_recompute(collective=True)`), and fits M0: at the
+normal band's top and at `spike_max_imbalance`. Under expert parallelism that needs the gates'
+collective escalation: a rank alone cannot recompute the all-to-alls, so its experts would hold
+the rows dispatch received, which grow with the spike."""
+
+from __future__ import annotations
+
+import pytest
+
+from bagualu_plugin import load_recipe
+from bagualu_plugin.planner.decider import Decider, Forward
+from bagualu_plugin.planner.gate import plan_for_gates
+from bagualu_plugin.stage import Stage
+
+PRESETS = (
+    "glm-188b-a20b", "glm-319b-a30b", "glm-423b-a30b", "glm-629b-a30b", "glm-783b-a35b", "glm-835b-a30b",
+    "glm-1041b-a35b-8192", "glm-1041b-a35b-12288",
+)
+
+
+def _stages(preset: str, seq_len: int):
+    recipe = load_recipe(preset)
+    recipe = recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"seq_len": seq_len})})
+    last = recipe.pipeline.pp - 1
+    for rank in (0, last):  # the most forwards in flight; the LM head
+        pipe = recipe.pipeline.model_copy(update={"rank": rank})
+        yield rank, Stage.of(recipe.model_copy(update={"pipeline": pipe}))
+
+
+@pytest.mark.parametrize("seq_len", [4096, 8192, 16384])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bagualu_at_m0_keeps_no_more_than_full_recompute(preset, seq_len):
+    for rank, stage in _stages(preset, seq_len):
+        spikes = stage.recipe.spikes
+        decider = Decider(stage, dict(enumerate(stage.chunks)))
+        for c, cm in decider.costs.items():
+            band = decider.band(c, stage.tokens, seq_len)
+            whole = cm.full_recompute(collective=True)
+            for imbalance in (spikes.normal_max_imbalance, spikes.spike_max_imbalance):
+                gates, slack = plan_for_gates(band.plan, band.gates.__getitem__, stage.min_budget, band.planned, band.heaviest)
+                f = Forward(0, stage.min_budget, gates, gates.decision.plan, slack, 0.0, band.balanced)
+                for layer in cm.moe_layers:
+                    decider.at_gate(f, layer, band.balanced * imbalance)
+                routed = band.balanced * imbalance
+                runs = cm.footprint(stage.tokens, routed, seq_len, f.plan, stage.options)
+                static = cm.footprint(stage.tokens, routed, seq_len, whole, stage.options)
+                where = f"{preset} at {seq_len}, rank {rank} chunk {c}, routing {imbalance}x"
+                assert runs.device_bytes <= static.device_bytes, where
+                assert runs.needed_bytes <= stage.min_budget, where
