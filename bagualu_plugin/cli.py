@@ -195,10 +195,12 @@ def _validate(args: argparse.Namespace) -> int:
                 continue
             r = load_recipe(path)
             stage = Stage.of(r)
-            try:  # Algorithm 1 can start: capacity holds the static bytes and M0 per micro-batch in flight
-                stage.budgets()
-            except ValueError as exc:
-                raise RecipeError(path, [("hardware.capacity_bytes", str(exc))]) from None
+            for rank in range(r.pipeline.pp):  # Algorithm 1 can start on every rank: capacity holds static + M0 in flight
+                pipe = r.pipeline.model_copy(update={"rank": rank})
+                try:
+                    (stage if rank == r.pipeline.rank else Stage.of(r.model_copy(update={"pipeline": pipe}))).budgets()
+                except ValueError as exc:
+                    raise RecipeError(path, [("hardware.capacity_bytes", str(exc))]) from None
         except RecipeError as exc:
             _error(args.command, exc)
             failed += 1

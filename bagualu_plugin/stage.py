@@ -19,13 +19,23 @@ from .costmodel.pipeline import Step, interleaved_one_f_one_b, release_order, wa
 from .planner import BudgetState
 
 
+def _floor(chunks: Sequence[CostModel], tokens: int, recipe: Recipe) -> int:
+    """M0: what one forward of `tokens` keeps under full recompute with the all-to-alls, the floor
+    every gate can reach whatever the routing (under expert parallelism together: nothing per
+    routed pair), at `spike_max_imbalance` (vp > 1: the largest chunk's)."""
+    routed = tokens * chunks[0].pairs_per_token * recipe.spikes.spike_max_imbalance
+    return max(
+        math.ceil(c.footprint(tokens, routed, recipe.batch.seq_len, c.full_recompute(collective=True)).device_bytes) for c in chunks
+    )
+
+
 @dataclass(frozen=True)
 class Stage:
     recipe: Recipe
     cost: CostModel  # the blocks held by pipeline.rank (of `chunk(c)`: chunk c's)
     tokens: int  # tokens per micro-batch, T
     static_bytes: int  # weights, gradients, optimizer state of the whole rank
-    min_budget: int  # M0: activation bytes of one forward under full recompute at the normal band's routing (vp > 1: largest chunk's)
+    min_budget: int  # M0: the floor, one forward under full recompute with the all-to-alls (vp > 1: largest chunk's)
     chunks: tuple[CostModel, ...]  # the rank's model chunks, vp of them (vp = 1: the rank's blocks)
 
     @classmethod
@@ -61,13 +71,7 @@ class Stage:
             )
         else:
             static = budget.non_activation_bytes
-        m0 = budget.min_budget
-        if m0 == "auto":  # the floor every gate can reach: under expert parallelism together (nothing per routed pair)
-            routed = tokens * stage.pairs_per_token * recipe.spikes.spike_max_imbalance
-            m0 = max(
-                math.ceil(c.footprint(tokens, routed, recipe.batch.seq_len, c.full_recompute(collective=True)).device_bytes)
-                for c in chunks
-            )
+        m0 = _floor(chunks, tokens, recipe) if budget.min_budget == "auto" else budget.min_budget
         return cls(recipe, stage, tokens, static, m0, chunks)
 
     def chunk(self, c: int) -> Stage:
@@ -98,9 +102,55 @@ class Stage:
         return interleaved_one_f_one_b(pipe.pp, pipe.rank, pipe.micro_batches, pipe.vp)
 
     def budgets(self) -> BudgetState:
-        """Algorithm 1 before the iteration's first forward (§V-A), freeing in this schedule's order."""
+        """Algorithm 1 before the iteration's first forward (§V-A), freeing in this schedule's order.
+        A layout whose in-flight micro-batches do not fit even at M0, the floor every micro-batch
+        can reach up to `spikes.spike_max_imbalance`, is refused here, before any training, with
+        the rank, the numbers and what would fit (`fits`)."""
+        short = self.static_bytes + self.warmup * self.min_budget - self.capacity
+        if short > 0:
+            pipe, fits = self.recipe.pipeline, self.fits()
+            advice = f"; would fit: {' or '.join(fits)}" if fits else ""
+            raise ValueError(
+                f"pipeline rank {pipe.rank} of {pipe.pp}: capacity {self.capacity} bytes cannot hold static memory "
+                f"{self.static_bytes} plus {self.warmup} in-flight micro-batches at the full-recompute minimum M0 = "
+                f"{self.min_budget} bytes ({short} bytes short; M0 is the floor any routing up to spike_max_imbalance "
+                f"{self.recipe.spikes.spike_max_imbalance:g} needs){advice}. Lower the micro-batch size or sequence "
+                "length, raise pipeline parallelism, or shard more state"
+            )
         released = release_order(self.schedule) if self.recipe.pipeline.vp > 1 else None
         return BudgetState.start(self.capacity, self.static_bytes, self.min_budget, self.warmup, released)
+
+    def fits(self) -> list[str]:
+        """What would let this rank's in-flight micro-batches fit at M0: the longest sequence (a
+        halving of `batch.seq_len`, at the same micro-batch size) or the largest micro-batch size
+        under the given one; and, from the recipe's model, the fewest pipeline ranks above
+        `pipeline.pp` whose every rank fits. Empty where M0 is the recipe's own number."""
+        recipe, out = self.recipe, []
+        if recipe.budget.min_budget != "auto":
+            return out
+        batch, room = recipe.batch, self.capacity - self.static_bytes
+        shorter = [("micro_batch_size", n) for n in range(batch.micro_batch_size - 1, 0, -1)]
+        shorter += [("seq_len", batch.seq_len >> k) for k in range(1, batch.seq_len.bit_length()) if batch.micro_batch_size == 1]
+        for field, n in shorter:
+            changed = recipe.model_copy(update={"batch": batch.model_copy(update={field: n})})
+            m0 = _floor(self.chunks, changed.batch.tokens, changed)
+            if self.warmup * m0 <= room:
+                out.append(f"batch.{field} {n} (M0 {m0} bytes)")
+                break
+        pipe, layers = recipe.pipeline, recipe.model.num_layers
+        for pp in range(pipe.pp + 1, layers // pipe.vp + 1):
+            if layers % (pp * pipe.vp) or (pipe.vp > 1 and pipe.micro_batches % pp):
+                continue
+            try:
+                stages = [
+                    Stage.of(recipe.model_copy(update={"pipeline": pipe.model_copy(update={"pp": pp, "rank": r})})) for r in range(pp)
+                ]
+            except ValueError:  # a layout the recipe's other sections rule out
+                continue
+            if all(s.static_bytes + s.warmup * s.min_budget <= s.capacity for s in stages):
+                out.append(f"pipeline.pp {pp}")
+                break
+        return out
 
     @property
     def options(self) -> MitigationOptions:

@@ -50,3 +50,25 @@ def test_bagualu_at_m0_keeps_no_more_than_full_recompute(preset, seq_len):
                 where = f"{preset} at {seq_len}, rank {rank} chunk {c}, routing {imbalance}x"
                 assert runs.device_bytes <= static.device_bytes, where
                 assert runs.needed_bytes <= stage.min_budget, where
+
+
+def test_a_layout_the_floor_cannot_hold_is_refused_before_training_with_what_would_fit():
+    """glm-423b-a30b on a 24 GiB device: its 23 in-flight chunk forwards do not fit even at M0.
+    `Stage.budgets` (what `bgl.apply`, `bagualu validate-recipe` and the nanotron config check
+    start Algorithm 1 with) names the rank, the bytes and the capacity, and what would fit, each
+    of which does."""
+    recipe = load_recipe("glm-423b-a30b")
+    recipe = recipe.model_copy(update={"hardware": recipe.hardware.model_copy(update={"capacity_bytes": 24 << 30})})
+    stage = Stage.of(recipe)
+    with pytest.raises(ValueError) as refused:
+        stage.budgets()
+    text = str(refused.value)
+    for part in ("pipeline rank 0 of 8", f"capacity {stage.capacity} bytes", f"static memory {stage.static_bytes}",
+                 f"23 in-flight micro-batches at the full-recompute minimum M0 = {stage.min_budget} bytes"):
+        assert part in text, (part, text)
+    assert "would fit: batch.seq_len 2048" in text and "or pipeline.pp 16" in text, text
+    shorter = recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"seq_len": 2048})})
+    Stage.of(shorter).budgets()
+    for rank in range(16):
+        pipe = recipe.pipeline.model_copy(update={"pp": 16, "rank": rank})
+        Stage.of(recipe.model_copy(update={"pipeline": pipe})).budgets()

@@ -175,7 +175,7 @@ def test_recipe_and_inline_together(tmp_path):
 
 def test_capacity_below_m0(tmp_path):
     tiny = {**INLINE, "hardware": {"preset": "cpu", "capacity_bytes": "64KB"}}
-    with pytest.raises(RecipeError, match=r"bagualu\.hardware\.capacity_bytes: pipeline rank 0: .*M0"):
+    with pytest.raises(RecipeError, match=r"bagualu\.hardware\.capacity_bytes: pipeline rank 0 of \d+: capacity .*M0"):
         load(tmp_path, nanotron_dict(bagualu=tiny))
 
 

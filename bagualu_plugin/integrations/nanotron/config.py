@@ -109,7 +109,7 @@ def check(config: Config) -> None:
         except ValueError as exc:
             recipe = config.bagualu.recipe  # the capacity is the named recipe's, or the inline section's
             source, path = (recipe, "hardware.capacity_bytes") if recipe else (_SOURCE, "bagualu.hardware.capacity_bytes")
-            raise RecipeError(source, [(path, f"pipeline rank {rank}: {exc}")]) from None
+            raise RecipeError(source, [(path, str(exc))]) from None
 
 
 def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
