@@ -168,7 +168,8 @@ def test_a_larger_micro_batch_than_any_before_is_checked_against_the_capacity():
     model(input_ids=small, labels=small).loss.backward()
     m0 = prov.stage.min_budget
     big = torch.randint(0, 128, (8, 256))
-    with pytest.raises(ValueError, match=r"micro-batch 0 of 2048 tokens \(8 x 256\) cannot fit: capacity \d+ bytes cannot hold"):
+    refused = r"micro-batch 0 of 2048 tokens \(8 x 256\) cannot fit: pipeline rank 0 of 1: capacity \d+ bytes cannot hold"
+    with pytest.raises(ValueError, match=refused):
         model(input_ids=big, labels=big)
     assert prov._forward is None and prov.stage.min_budget == m0  # still planned for what fits
     model(input_ids=small, labels=small).loss.backward()

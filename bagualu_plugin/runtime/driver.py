@@ -33,11 +33,23 @@ def run_iteration(
     language-model loss of `batches[i]` (input ids, also the labels), its backward accumulates
     gradients; no optimizer step. `around(step)` is entered around each step (begin_forward and
     end_forward included). Returns every micro-batch's loss (detached), in micro-batch order.
-    On an exception every graph still awaiting its backward is dropped with this call.
     With the provisioner's recipe `pipeline.dual_batch` each steady forward and the backward after
-    it run fused (`runtime.dual_batch`, paper §V-B), with the same results bit for bit."""
-    if provisioner is not None and provisioner.recipe.pipeline.dual_batch:
-        return _fused(model, batches, schedule, provisioner, around)
+    it run fused (`runtime.dual_batch`, paper §V-B), with the same results bit for bit.
+    On an exception (an out-of-memory error among them) every graph still awaiting its backward
+    is dropped with this call, and the provisioner abandons the iteration's micro-batches
+    (`Provisioner.abandon`: nothing left installed or held, the error told what the Ledger
+    counted), so the next iteration runs."""
+    run = _fused if provisioner is not None and provisioner.recipe.pipeline.dual_batch else _plain
+    try:
+        return run(model, batches, schedule, provisioner, around)
+    except BaseException as error:
+        if provisioner is not None:
+            provisioner.abandon(error)
+        raise
+
+
+def _plain(model, batches, schedule, provisioner, around) -> list[torch.Tensor]:
+    """`run_iteration` one step after another."""
     awaiting: dict[int, torch.Tensor] = {}  # losses whose backward has not run yet
     losses: dict[int, torch.Tensor] = {}
     for step in schedule:

@@ -38,8 +38,9 @@ from ..derive import derive_recipe
 from ..parallel.expert import any_rank, expert_group
 from ..planner.decider import Decider, Deferral, Escalation, Forward
 from ..stage import Stage, mitigation_options
+from ..units import fmt_bytes
 from .boundaries import Boundaries, ForwardKind
-from .ledger import Ledger
+from .ledger import Ledger, SimulatedOutOfMemoryError
 from .plan_runtime import PlanRuntime
 from .static_memory import StaticMemory
 
@@ -383,13 +384,19 @@ class Provisioner:
             raise ValueError(f"micro_batch() runs without pipeline parallelism, but the recipe has pipeline.pp={pp}")
         return self.boundaries.explicit(input_ids, attention_mask)
 
-    def abandon(self) -> None:
+    def abandon(self, error: BaseException | None = None) -> None:
         """The micro-batches begun and not ended (a step raised, or a forward's output never went
-        backward) leave nothing behind: their forward's hooks closed, their events dropped, and
-        the next micro-batch begins a new iteration."""
+        backward) leave nothing behind: their forward's hooks closed, the fused executor's
+        micro-batches dropped, their events dropped, and the next micro-batch begins a new
+        iteration. `error`: what ended them; a device's out-of-memory error gets a note of what
+        the Ledger counted against the capacity (the Ledger's simulated one says so already)."""
+        if isinstance(error, torch.OutOfMemoryError) and not isinstance(error, SimulatedOutOfMemoryError):
+            error.add_note(self._memory_note())
         if self._forward is not None:
             self._forward.hooks.close()
             self._forward = None
+        if self.executor is not None:
+            self.executor.start()
         dropped = set(map(id, self._awaiting_backward.values()))
         if dropped:
             kept = [e for e in self.events if id(e) not in dropped]
@@ -397,6 +404,18 @@ class Provisioner:
             self.events.extend(kept)
             self.forwards -= len(dropped)
         self._awaiting_backward.clear()
+
+    def _memory_note(self) -> str:
+        ledger, stage = self.ledger, self.stage
+        counted = sorted(ledger.by_micro_batch().items(), key=lambda kv: -1 if kv[0] is None else kv[0])
+        held = ", ".join(f"{mb}: {fmt_bytes(b)}" for mb, b in counted) or "none"
+        return (
+            f"bagualu: the Ledger counted {fmt_bytes(ledger.live_device_bytes)} of saved activations on the device "
+            f"(by micro-batch: {held}; peak {fmt_bytes(ledger.peak_device_bytes)}) and {fmt_bytes(stage.static_bytes)} "
+            f"of static memory, against a capacity of {fmt_bytes(stage.capacity)} (hardware.capacity_bytes less "
+            "budget.reserve_bytes): raise the reserve if the allocator's own memory (fragmentation, communication "
+            "buffers, workspaces) is what ran out"
+        )
 
     def remove(self) -> None:
         """Uninstall everything; the events stay readable."""
