@@ -18,8 +18,10 @@ The four classes map to the runtime's mechanisms:
   issues nothing for it (the DP still counts its copy time on the copy stream);
 - R: y+1's recovery of a block, its reloads (`SavedTensorHooks.prefetch`: the copies start, on
   the copy stream on CUDA) and then its recompute (`PlanRuntime.recover`: the block's regions
-  replay now, ahead of y+1's backward, which takes their tensors). No collective runs in a recompute (under
-  expert parallelism no region holds dispatch or combine), so R needs no peer.
+  replay now, ahead of y+1's backward, which takes their tensors). A region one rank chose alone runs no
+  collective; one of the collective unit (under expert parallelism: a plan the same on every rank, or
+  the gates' agreed escalation) replays its all-to-alls, which every rank reaches at the same piece,
+  since every rank runs EP rank 0's order (`_agreed`).
 
 R runs when y+1 is neither x nor x-1 (x - y > 2, §V-B); otherwise y+1 recovers lazily in its own
 backward, as without fusion. On CPU the classes run one after another in the solved order; the
