@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..costmodel.graph import ATTENTION_OPS, EXPERT_OPS, collective_unit, standard_spans, standard_units
+from ..costmodel.graph import ATTENTION_OPS, COLLECTIVE_OPS, EXPERT_OPS, collective_unit, standard_spans, standard_units
 from .adapter import Adapter
 
 
@@ -22,7 +22,7 @@ def unit_module(adapter: Adapter, layer: int, unit: tuple[str, ...]) -> nn.Modul
         return part.module
     if unit[0] in ATTENTION_OPS:
         return part.module.self_attn
-    if unit == EXPERT_OPS or unit == collective_unit(unit):
+    if unit in (EXPERT_OPS, COLLECTIVE_OPS):
         return None
     single = {
         "attn_norm": part.module.input_layernorm,
