@@ -9,7 +9,8 @@ by `spikes.imbalance_schedule` (the recipe's spike rate, or `--spike-probability
 experts, AdamW after each iteration. After a warm-up it reads, per rank:
 - the host pool: buffers made (a reused buffer is not made again) and its most free bytes;
 - telemetry: one JSON line per micro-batch in the rank's file;
-- the project's live objects and the traced Python heap (`tracemalloc`, started before the
+- the project's live objects (and how many plans the per-plan caches hold, each bounded by
+  `costmodel.plan.PLANS_CACHED`) and the traced Python heap (`tracemalloc`, started before the
   warm-up), at the end of the warm-up and at the end, the telemetry deque cleared each iteration;
 - the Ledger's live bytes after each iteration (nothing of the last one may stay), the OOMs and
   the gates' decisions.
@@ -74,6 +75,9 @@ def _soak(rank: int, size: int, iterations: int, spike_probability: float | None
     left: list[int] = []
     marks: dict[str, tuple] = {}
 
+    def cached() -> int:  # plans the per-plan caches hold (each keeps the PLANS_CACHED most recent)
+        return prov.decider._escalated.cache_info().currsize + prov.runtime._regions_for.cache_info().currsize
+
     def skew(it: int):
         def around(step):
             stack = ExitStack()
@@ -87,7 +91,7 @@ def _soak(rank: int, size: int, iterations: int, spike_probability: float | None
     for it in range(iterations):
         if it == WARMUP:
             gc.collect()
-            marks["warm"] = (_ours(), tracemalloc.get_traced_memory()[0], pool.made, time.perf_counter())
+            marks["warm"] = (_ours(), tracemalloc.get_traced_memory()[0], pool.made, time.perf_counter(), cached())
         run_iteration(model, batches, prov.stage.schedule, prov, around=skew(it))
         train_step(model, optimizer)
         for event in prov.events:
@@ -99,7 +103,7 @@ def _soak(rank: int, size: int, iterations: int, spike_probability: float | None
         left.append(prov.ledger.live_device_bytes + prov.ledger.live_host_bytes)
         marks["free"] = max(marks.get("free", (0,)), (pool.free_bytes,))
     gc.collect()
-    end = (_ours(), tracemalloc.get_traced_memory()[0], pool.made, time.perf_counter())
+    end = (_ours(), tracemalloc.get_traced_memory()[0], pool.made, time.perf_counter(), cached())
     tracemalloc.stop()
     prov.remove()
     lines = telemetry.read_text().splitlines()
@@ -111,6 +115,7 @@ def _soak(rank: int, size: int, iterations: int, spike_probability: float | None
         buffers_made=(warm[2], end[2]),
         most_free_bytes=marks["free"][0],
         objects=(warm[0], end[0]),
+        cached_plans=(warm[4], end[4]),
         heap=(warm[1], end[1]),
         left_after_iterations=max(left),
         seconds=end[3] - start,
@@ -136,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
             deadline_s=7200,
         )
     headers = ["rank", "micro-batches", "telemetry lines", "pool buffers (warm -> end)", "most free (KiB)",
-               "live objects (warm -> end)", "heap KiB (warm -> end)", "left after an iteration", "gates: escalate / collective / defer",
+               "live objects (warm -> end)", "of them cached plans", "heap KiB (warm -> end)", "left after an iteration",
+               "gates: escalate / collective / defer",
                "overruns", "seconds"]
     rows = [
         [r["rank"], r["micro_batches"], r["telemetry_lines"], f"{r['buffers_made'][0]} -> {r['buffers_made'][1]}",
          f"{r['most_free_bytes'] / 1024:.0f}", f"{r['objects'][0]} -> {r['objects'][1]}",
-         f"{r['heap'][0] / 1024:.0f} -> {r['heap'][1] / 1024:.0f}", r["left_after_iterations"],
+         f"{r['cached_plans'][0]} -> {r['cached_plans'][1]}", f"{r['heap'][0] / 1024:.0f} -> {r['heap'][1] / 1024:.0f}",
+         r["left_after_iterations"],
          f"{r['escalate']} / {r['collective']} / {r['defer']}", r["overruns"], f"{r['seconds']:.0f}"]
         for r in results
     ]

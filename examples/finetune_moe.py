@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
+from torch.distributed.elastic.multiprocessing.errors import record
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
@@ -72,6 +73,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@record  # under `accelerate launch`: a rank's error, with its traceback, in the launcher's summary of the failed job
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     try:

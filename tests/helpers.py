@@ -1,14 +1,17 @@
 """What several test files share: the recipe of a tiny model, one loss-and-gradients step under a
-plan, the relative error of gradients, and several ranks' jobs in one launch. Tests import it as
+plan, the relative error of gradients, several ranks' jobs in one launch, and the collectives a
+rank issues. Tests import it as
 `from helpers import ...` (tests/ is on sys.path: pytest puts a rootdir-less test folder there,
 and tests/conftest.py makes sure; ranks spawned by `parallel.launch.run_ranks` inherit the
 parent's sys.path)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.config import Recipe
@@ -154,10 +157,34 @@ def run_jobs(size: int, jobs: Mapping[str, tuple], *, timeout_s: float, threads:
     """Several `run_ranks` workers in one launch of `size` ranks, one after the other in each rank:
     `jobs` maps a name to `(fn, *args)`, `fn(rank, size, *args)` as `run_ranks` calls it. Each
     job's results by name, in rank order, as `run_ranks(fn, size, *args)` returns them. A launch
-    costs every rank its spawn and imports (seconds on a busy CPU), so checks that need the same
-    ranks share one. Collectives time out after `timeout_s` (a deadlock fails as fast as in a
+    costs every rank its start and the test module's imports, and the group's set-up, so checks
+    that need the same ranks share one. Collectives time out after `timeout_s` (a deadlock fails as fast as in a
     launch of its own); the launch's deadline is each job's own (`timeout_s` + 60 s) added up. A
     job that raises fails the launch, so one expected to fail runs in a launch of its own."""
     listed = [(name, job[0], tuple(job[1:])) for name, job in jobs.items()]
     ranks = run_ranks(_jobs, size, listed, timeout_s=timeout_s, threads=threads, deadline_s=len(listed) * (timeout_s + 60))
     return {name: [r[name] for r in ranks] for name in jobs}
+
+
+@contextmanager
+def collectives(names: tuple[str, ...] = ("all_reduce", "all_to_all_single")) -> Iterator[list[str]]:
+    """The collectives this rank issues inside the block (torch.distributed's, those the plugin's
+    expert parallelism calls: the gates' agreement and the rows' all-to-alls, forward, backward and
+    replays), by name, in order. Under expert parallelism every rank must issue the same sequence."""
+    issued: list[str] = []
+    originals = {name: getattr(dist, name) for name in names}
+
+    def recording(name: str, collective: Callable) -> Callable:
+        def call(*args, **kwargs):
+            issued.append(name)
+            return collective(*args, **kwargs)
+
+        return call
+
+    for name, collective in originals.items():
+        setattr(dist, name, recording(name, collective))
+    try:
+        yield issued
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)

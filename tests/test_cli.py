@@ -1,4 +1,5 @@
-"""The `bagualu` command, run as a user runs it."""
+"""The `bagualu` command: its `main` in this process (its exit status, stdout and stderr), and the
+demo, which starts its ranks, as a user runs it."""
 
 import json
 import subprocess
@@ -13,12 +14,20 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "bagualu_plugin.cli", *args], capture_output=True, text=True)
 
 
-@pytest.mark.multiprocess
-def test_curve_on_the_paper_glm_423b_preset(tmp_path):
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """`bagualu ARGS` in this process: its exit status, stdout and stderr."""
+    try:
+        code = main(list(args))
+    except SystemExit as exited:
+        code = exited.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_curve_on_the_paper_glm_423b_preset(tmp_path, capsys):
     png = tmp_path / "curve.png"
-    done = _run("curve", "glm-423b-a30b", "--png", str(png), "--spike", "6:2.6", "--spike", "7:2.6")
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
+    code, out, err = _main(capsys, "curve", "glm-423b-a30b", "--png", str(png), "--spike", "6:2.6", "--spike", "7:2.6")
+    assert code == 0, err
     for op in ("attn_norm", "attn_core", "router", "expert_fc1", "expert_act", "expert_fc2", "shared_expert"):
         assert f"moe.{op}" in out
     assert "recompute" in out and "offload" in out and "fp8" in out
@@ -29,11 +38,10 @@ def test_curve_on_the_paper_glm_423b_preset(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
-@pytest.mark.multiprocess
-def test_curve_json_is_consistent(tmp_path):
-    done = _run("curve", "glm-423b-a30b", "--png", str(tmp_path / "c.png"), "--json", "--spike", "3:2.6")
-    assert done.returncode == 0, done.stderr
-    doc = json.loads(done.stdout)
+def test_curve_json_is_consistent(tmp_path, capsys):
+    code, out, err = _main(capsys, "curve", "glm-423b-a30b", "--png", str(tmp_path / "c.png"), "--json", "--spike", "3:2.6")
+    assert code == 0, err
+    doc = json.loads(out)
     balanced, spiked = doc["curves"]
     assert doc["capacity_bytes"] == 64 * 2**30
     assert balanced["in_flight_at_peak"] == 23  # rank 0 of 8, 2 chunks: 22 warmup forwards and the first steady one
@@ -62,32 +70,26 @@ def test_validate_recipe(tmp_path, capsys):
     assert len(lines) > 1 and all(line.startswith("bagualu validate-recipe: error: recipe ") for line in lines)
 
 
-@pytest.mark.multiprocess
-def test_bad_arguments_are_named():
-    done = _run("curve", "glm-423b-a30b", "--spike", "seven")
-    assert done.returncode == 2 and "MICRO_BATCH:IMBALANCE" in done.stderr
-    done = _run("curve", "glm-423b-a30b", "--spike", "99:2")
-    assert done.returncode == 2 and "--spike micro-batch 99" in done.stderr
-    done = _run("curve", "no-such-recipe")
-    assert done.returncode == 2 and "built-in recipes" in done.stderr
-
-
 @pytest.mark.parametrize(
-    "args",
+    "args, message",
     [
-        ["curve", "glm-423b-a30b", "--spike", "seven"],  # argparse's
-        ["curve", "glm-423b-a30b", "--spike", "99:2"],  # the subcommand's, after parsing
-        ["curve", "no-such-recipe"],  # the recipe's
-        ["simulate", "glm-423b-a30b", "--seed", "-1"],
-        ["simulate", "glm-423b-a30b", "--trace", "x.jsonl", "--seed", "1"],
+        (["curve", "glm-423b-a30b", "--spike", "seven"], "MICRO_BATCH:IMBALANCE"),  # argparse's
+        (["curve", "glm-423b-a30b", "--spike", "99:2"], "--spike micro-batch 99"),  # the subcommand's, after parsing
+        (["curve", "no-such-recipe"], "built-in recipes"),  # the recipe's
+        (["simulate", "glm-423b-a30b", "--seed", "-1"], "--seed"),
+        (["simulate", "glm-423b-a30b", "--trace", "x.jsonl", "--seed", "1"], "--trace"),
+        (["demo", "--policies", "adaptive,greedy"], "--policies expects distinct names"),
+        (["demo", "--policies", "none,none"], "--policies expects distinct names"),
+        (["demo", "--steps", "0"], "--steps must be >= 1"),
+        (["demo", "no-such-recipe"], "no-such-recipe"),
     ],
 )
-def test_every_error_reads_as_argparse_writes_its_own(args, capsys):
-    """`bagualu <command>: error: ...` on stderr, exit status 2, wherever the error was found."""
-    with pytest.raises(SystemExit) as exited:
-        main(args)
-    assert exited.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].startswith(f"bagualu {args[0]}: error: ")
+def test_every_error_reads_as_argparse_writes_its_own(args, message, capsys):
+    """`bagualu <command>: error: ...` on stderr, naming what is wrong, exit status 2, wherever
+    the error was found (the demo's before any process starts)."""
+    code, _, err = _main(capsys, *args)
+    assert code == 2 and message in err
+    assert err.splitlines()[-1].startswith(f"bagualu {args[0]}: error: ")
 
 
 @pytest.mark.multiprocess
@@ -107,32 +109,16 @@ def test_demo_writes_table_timeline_and_json(tmp_path):
     assert rows[0]["ooms"] == 0 and rows[0]["peak_device_bytes"] <= rows[0]["capacity_bytes"]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--policies", "adaptive,greedy"], "--policies expects distinct names"),
-        (["--policies", "none,none"], "--policies expects distinct names"),
-        (["--steps", "0"], "--steps must be >= 1"),
-        (["no-such-recipe"], "no-such-recipe"),
-    ],
-)
-def test_demo_rejects_bad_arguments(args, message):
-    done = _run("demo", *args)
-    assert done.returncode == 2 and message in done.stderr and "bagualu demo: error: " in done.stderr
-
-
-@pytest.mark.multiprocess
-def test_demo_fails_before_training_when_capacity_cannot_hold_m0(tmp_path):
+def test_demo_fails_before_training_when_capacity_cannot_hold_m0(tmp_path, capsys):
     import re
 
     from bagualu_plugin.config import builtin_recipes
 
     recipe = tmp_path / "small.yaml"
     recipe.write_text(re.sub(r"capacity_bytes: \w+", "capacity_bytes: 2MB", builtin_recipes()["demo"].read_text()))
-    done = _run("demo", str(recipe), "--steps", "1", "--png", str(tmp_path / "t.png"))
-    assert done.returncode == 2 and f"bagualu demo: error: {recipe}: " in done.stderr
-    assert "cannot hold static memory 0 plus 4 in-flight micro-batches" in done.stderr and "M0 = " in done.stderr
+    code, _, err = _main(capsys, "demo", str(recipe), "--steps", "1", "--png", str(tmp_path / "t.png"))
+    assert code == 2 and f"bagualu demo: error: {recipe}: " in err
+    assert "cannot hold static memory 0 plus 4 in-flight micro-batches" in err and "M0 = " in err
     assert not (tmp_path / "t.png").exists()
 
 

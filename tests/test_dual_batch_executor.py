@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_recipe
+from helpers import collectives, tiny_recipe
 
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.config import Recipe, RecipeError
@@ -120,7 +120,8 @@ def test_a_pipeline_of_two_is_refused_by_name():
 
 def _expert_parallel_run(rank: int, size: int) -> dict:
     """Fused against unfused on 2 expert-parallel ranks, spikes on micro-batches 1 and 4 (their
-    gates defer and escalate), plans that recompute and offload."""
+    gates defer and escalate; micro-batch 4's layer 2 needs the collective escalation, so both
+    ranks recompute it with its all-to-alls), plans that recompute and offload."""
     from bagualu_plugin.adapters import Adapter
     from bagualu_plugin.adapters.gate import RoutingSkew
     from bagualu_plugin.parallel import expert_parallel
@@ -131,7 +132,7 @@ def _expert_parallel_run(rank: int, size: int) -> dict:
         model = tiny_model("glm4_moe", num_hidden_layers=4)
         model.set_experts_implementation("bagualu")
         expert_parallel(model)
-        recipe = _recipe(model, 0, 2.4, ["recompute", "offload"])
+        recipe = _recipe(model, 0, 1.6, ["recompute", "offload"])
         recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"ep": size, "ep_rank": rank, "dp": size})})
         prov = apply(model, _fused(recipe, fused))
 
@@ -139,13 +140,16 @@ def _expert_parallel_run(rank: int, size: int) -> dict:
             fraction = 1.0 if step.micro_batch in (1, 4) else 0.0
             return RoutingSkew(Adapter(model), fraction, ep_size=size, ep_rank=0, layers=[2])
 
-        losses = run_iteration(model, batches, prov.stage.schedule, prov, around=spike)
+        with collectives() as issued:
+            losses = run_iteration(model, batches, prov.stage.schedule, prov, around=spike)
         out[fused] = dict(
             losses=torch.stack(losses),
             grads={n: p.grad for n, p in model.named_parameters() if p.grad is not None},
             plans=[e.plan for e in prov.events],
             escalations=[len(e.escalations) + len(e.deferred) for e in prov.events],
+            together={(e.micro_batch, x.layer) for e in prov.events for x in e.escalations if x.collective},
             points=[e.point for e in prov.events if e.point],
+            collectives=issued,
         )
         prov.remove()
     return out
@@ -160,4 +164,6 @@ def test_expert_parallel_ranks_fuse_bitwise_with_spikes():
         assert all(torch.equal(fused["grads"][n], g) for n, g in plain["grads"].items())
         assert fused["plans"] == plain["plans"] and fused["escalations"] == plain["escalations"]
         assert len(fused["points"]) == M - PP + 1
+        assert fused["together"] == plain["together"] == hot[True]["together"] != set()
+        assert fused["collectives"] == hot[True]["collectives"]  # every rank, the same collectives in the same order
     assert hot[True]["escalations"][1] + hot[True]["escalations"][4] > 0  # the spikes reached the hot rank's gate

@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from helpers import plan_step, relative_error, run_jobs, tiny_recipe
+from helpers import collectives, plan_step, relative_error, run_jobs, tiny_recipe
 
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, Adapter, tiny_model
@@ -364,7 +364,8 @@ def _floor(rank: int, size: int) -> dict:
     prov = bgl.apply(model, recipe, cm)
     try:
         spike = lambda m: lambda step: _skew(m, 1.0 if step.micro_batch == 1 else 0.0, [2])  # noqa: E731
-        losses = run_iteration(model, batches, prov.stage.schedule, prov, around=spike(model))
+        with collectives() as issued:
+            losses = run_iteration(model, batches, prov.stage.schedule, prov, around=spike(model))
         events = sorted(prov.events, key=lambda e: e.micro_batch)
     finally:
         prov.remove()
@@ -377,12 +378,14 @@ def _floor(rank: int, size: int) -> dict:
         plans=[e.plan for e in events],
         peak=prov.ledger.peak_device_bytes,
         capacity=prov.stage.capacity,
+        collectives=issued,
     )
 
 
 def _floor_holds_on_every_rank(ranks: list[dict]) -> None:
     """Every rank recomputes the same layers with their all-to-alls, asked for by at least one
-    rank each and joined by some that did not ask; the rest of their plans are their own."""
+    rank each and joined by some that did not ask; the rest of their plans are their own. Every
+    rank issued the same collectives in the same order, the replayed all-to-alls among them."""
     together = [set(r["collective"]) for r in ranks]
     assert together[0] and all(t == together[0] for t in together), together
     for where in together[0]:
@@ -391,6 +394,11 @@ def _floor_holds_on_every_rank(ranks: list[dict]) -> None:
     assert len({frozenset(r["alone"]) for r in ranks}) > 1 or any(r["plans"] != ranks[0]["plans"] for r in ranks)
     for r in ranks:
         assert r["bitwise"] and r["peak"] <= r["capacity"], r
+        assert r["collectives"] == ranks[0]["collectives"]
+    # per MoE layer and micro-batch: the gate's agreement (one all-reduce), 3 all-to-alls forward
+    # (the counts, the rows out and back) and 2 in backward; each collective replay adds 2
+    issued = ranks[0]["collectives"]
+    assert issued.count("all_to_all_single") >= 5 * issued.count("all_reduce") + 2 * len(together[0])
 
 
 def test_the_floor_runs_on_every_rank_and_is_bitwise(two_ranks):

@@ -26,8 +26,7 @@ import yaml
 
 pytest.importorskip("nanotron")
 
-from helpers import tiny_recipe  # noqa: E402
-from nanotron_configs import config_dict, load  # noqa: E402
+from nanotron_configs import STEPS, TINY, M, bagualu_section, load, train_config  # noqa: E402
 
 from bagualu_plugin.adapters import save_tiny, tiny_model  # noqa: E402
 from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
@@ -37,37 +36,9 @@ from bagualu_plugin.integrations.nanotron.config import Config, recipe_for  # no
 from bagualu_plugin.integrations.nanotron.train import check_supported  # noqa: E402
 from bagualu_plugin.stage import Stage  # noqa: E402
 
-M, BATCH, SEQ, STEPS, LAYERS = 4, 2, 16, 2, 4
-TINY = {"num_hidden_layers": LAYERS, "mlp_only_layers": []}
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 RUNS = Path(__file__).with_name("nanotron_runs.py")
 RUN_TIMEOUT_S = 300  # each run's, as each launch's was
-_NANOTRON_MODEL_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
-
-
-def _config(checkpoint: Path, bagualu: dict, pp: int = 2, ep: int = 1, dp: int = 1, tp: int = 1, accumulation: int = M) -> dict:
-    hf = tiny_model("qwen3_moe", **TINY).config
-    model = {"init_method": {"path": str(checkpoint)}, "model_config": {name: getattr(hf, name) for name in _NANOTRON_MODEL_FIELDS}}
-    optimizer = {
-        "zero_stage": 0, "weight_decay": 0.01, "clip_grad": None, "accumulate_grad_in_fp32": False, "adam_eps": 1e-8,
-        "adam_beta1": 0.9, "adam_beta2": 0.95, "torch_adam_is_fused": False,
-        "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_style": "linear"},
-    }
-    return config_dict(
-        model, pp=pp, dp=dp, ep=ep, tp=tp, seq_len=SEQ, micro_batch_size=BATCH, accumulation=accumulation, train_steps=STEPS,
-        optimizer=optimizer, bagualu=bagualu,
-    )
-
-
-def _bagualu(pp: int, enabled: bool = True, capacity: float = 1.6, **sections) -> dict:
-    """`capacity` x the first stage's keep-all micro-batch: it holds pp in flight, so it plans.
-    The batch and pipeline come from nanotron's own sections."""
-    section = tiny_recipe(
-        tiny_model("qwen3_moe", **TINY), seq_len=SEQ, micro_batch_size=BATCH, capacity=capacity, stage=(pp, 0),
-        strategies={"allowed": ["recompute"]}, batch_section=False, exclude_defaults=True, as_dict=True,
-    )
-    return {"enabled": enabled, **section, **sections}
-
 
 def _world(data: dict) -> int:
     par = data["parallelism"]
@@ -132,7 +103,7 @@ def _dual_config(checkpoint: Path, case: str, fused: bool) -> dict:
     spike = {"enabled": True, "seed": 3, "spike_probability": 1.0, "normal_max_imbalance": 1.3, "spike_max_imbalance": 2.0,
              "layers": [0], "micro_batches": [1, 4]}
     sections = {"strategies": {"allowed": allowed, "offload": {"min_bytes": 0}}, **({"spikes": spike} if ep > 1 else {})}
-    return _config(checkpoint, _bagualu(4, capacity=capacity, dual_batch=fused, **sections), pp=4, ep=ep, accumulation=DUAL_M)
+    return train_config(checkpoint, bagualu_section(4, capacity=capacity, dual_batch=fused, **sections), pp=4, ep=ep, accumulation=DUAL_M)
 
 
 @pytest.fixture(scope="module")
@@ -140,14 +111,15 @@ def configs(checkpoint, tied) -> dict[str, dict]:
     """The config of every successful run of this file's tests, by name."""
     runs = {}
     for pp in (2, 4):
-        runs[f"pp{pp}-stock"] = _config(checkpoint, _bagualu(pp, enabled=False), pp=pp)
-        runs[f"pp{pp}-plugin"] = _config(checkpoint, _bagualu(pp), pp=pp)
-    runs["spikes-stock"] = _config(checkpoint, _bagualu(2, enabled=False, spikes=SPIKES), pp=2, ep=2)
-    runs["spikes-plugin"] = _config(checkpoint, _bagualu(2, capacity=1.3, spikes=SPIKES), pp=2, ep=2)
-    runs["ep"] = _config(checkpoint, _bagualu(2, enabled=False), pp=2, ep=2)
-    runs["dp"] = _config(checkpoint, _bagualu(2, enabled=False), pp=2, dp=2)
-    runs["tied-one"] = _config(tied, _bagualu(1, enabled=False), pp=1)
-    runs["tied-two"] = _config(tied, _bagualu(2, enabled=False), pp=2)
+        runs[f"pp{pp}-stock"] = train_config(checkpoint, bagualu_section(pp, enabled=False), pp=pp)
+        runs[f"pp{pp}-plugin"] = train_config(checkpoint, bagualu_section(pp), pp=pp)
+    runs["spikes-stock"] = train_config(checkpoint, bagualu_section(2, enabled=False, spikes=SPIKES), pp=2, ep=2)
+    runs["spikes-plugin"] = train_config(checkpoint, bagualu_section(2, capacity=1.3, spikes=SPIKES), pp=2, ep=2)
+    runs["floor-plugin"] = train_config(checkpoint, bagualu_section(2, capacity=0.7, spikes=SPIKES), pp=2, ep=2)
+    runs["ep"] = train_config(checkpoint, bagualu_section(2, enabled=False), pp=2, ep=2)
+    runs["dp"] = train_config(checkpoint, bagualu_section(2, enabled=False), pp=2, dp=2)
+    runs["tied-one"] = train_config(tied, bagualu_section(1, enabled=False), pp=1)
+    runs["tied-two"] = train_config(tied, bagualu_section(2, enabled=False), pp=2)
     for case in DUAL:
         for fused in (False, True):
             runs[f"dual-{case}-{fused}"] = _dual_config(checkpoint, case, fused)
@@ -241,6 +213,26 @@ def test_expert_parallel_spike_escalates_on_the_hot_rank_only(world4):
 
 
 @pytest.mark.multiprocess
+def test_expert_parallel_floor_runs_on_both_expert_ranks(world4):
+    """The same spikes at a capacity where recomputing a layer's experts is not enough: the
+    collective escalation (the layer's experts with their all-to-alls) runs on both expert-parallel
+    ranks of stage 0 at the same (iteration, micro-batch, layer), the cold one joining; the hot
+    rank's own escalations stay its own. Losses bitwise stock: every rank issued the same
+    collectives (a rank that did not would have failed the run at the 60 s timeout)."""
+    stock, floor = world4["spikes-stock"], world4["floor-plugin"]
+    _same_losses(stock, floor, 4)
+
+    def escalations(rank: int, collective: bool) -> set:
+        events = enumerate(floor["events"][rank])
+        return {(i // M, e["micro_batch"], x["layer"]) for i, e in events for x in e["escalations"] if x["collective"] == collective}
+
+    hot, cold = _world_rank(0, 0, 2), _world_rank(1, 0, 2)
+    assert escalations(hot, True) == escalations(cold, True) != set()
+    assert escalations(hot, False) and not escalations(cold, False)
+    assert not any(e["escalations"] for rank in (_world_rank(0, 1, 2), _world_rank(1, 1, 2)) for e in floor["events"][rank])
+
+
+@pytest.mark.multiprocess
 def test_expert_parallel_gradients_match_data_parallel(world4):
     """The same 2 data replicas as EP=2 (experts sharded, dense gradients averaged over the group,
     expert gradients from the all-to-all's backward) and as DP=2 (everything averaged): the same
@@ -270,7 +262,7 @@ def test_tied_embeddings_over_two_stages_match_one_process(world1, world2):
     ],
 )
 def test_unsupported_configs_are_refused_by_name(tmp_path, change, world, field):
-    data = _config(tmp_path, change.pop("bagualu", {"enabled": False}), **{k: v for k, v in change.items() if k != "zero_stage"})
+    data = train_config(tmp_path, change.pop("bagualu", {"enabled": False}), **{k: v for k, v in change.items() if k != "zero_stage"})
     if "zero_stage" in change:
         data["optimizer"]["zero_stage"] = change["zero_stage"]
     config = load(tmp_path, data)
@@ -281,7 +273,7 @@ def test_unsupported_configs_are_refused_by_name(tmp_path, change, world, field)
 @pytest.mark.multiprocess
 def test_a_bad_config_stops_the_launch_before_training_naming_the_field(checkpoint, tmp_path):
     """A capacity below M0, through torchrun: every rank exits with the error, nothing trains."""
-    data = _config(checkpoint, _bagualu(2, capacity=0.05))
+    data = train_config(checkpoint, bagualu_section(2, capacity=0.05))
     path, metrics = tmp_path / "bad.yaml", tmp_path / "bad.jsonl"
     data["bagualu"]["metrics_path"] = str(metrics)
     path.write_text(yaml.safe_dump(data))

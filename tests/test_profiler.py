@@ -1,14 +1,12 @@
 """`bgl.profile` on real (tiny) HF MoE models: exact memory for loads it never saw."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, Adapter, UnsupportedModelError, save_tiny, tiny_model
+from bagualu_plugin.cli import main
 from bagualu_plugin.costmodel import CostModel, LinearForm, Load, ModelDims, OpId
 from bagualu_plugin.costmodel.fit import BlockSample, TensorSample, fit_block, fit_linear
 from bagualu_plugin.runtime.plan_runtime import apply_plan
@@ -173,26 +171,14 @@ def test_fit_block_rejects_graphs_that_depend_on_the_input():
         fit_block(odd, routed_independent=False)
 
 
-@pytest.mark.multiprocess
-def test_cli_profile(tmp_path):
+def test_cli_profile(tmp_path, capsys):
     model_dir = save_tiny("mixtral", tmp_path / "mixtral")
     out = tmp_path / "cost.json"
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "bagualu_plugin.cli", "profile", "--model", str(model_dir), "--tokens", "32,64,128",
-            "--out", str(out), "--repeats", "1",
-        ],
-        capture_output=True,
-        text=True,
-        env={"HF_HUB_OFFLINE": "1", "PATH": ""},
-    )
-    assert done.returncode == 0, done.stderr
-    assert "expert_fc1" in done.stdout and "saved for backward" in done.stdout
+    assert main(["profile", "--model", str(model_dir), "--tokens", "32,64,128", "--out", str(out), "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "expert_fc1" in printed and "saved for backward" in printed
     cm = CostModel.load(out)
     assert cm.source == "profiled" and cm.moe_layers == [0, 1]
-    bad = subprocess.run(
-        [sys.executable, "-m", "bagualu_plugin.cli", "profile", "--model", str(tmp_path / "none"), "--tokens", "32,64", "--out", str(out)],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode != 0 and "--model" in bad.stderr
+    with pytest.raises(SystemExit) as bad:
+        main(["profile", "--model", str(tmp_path / "none"), "--tokens", "32,64", "--out", str(out)])
+    assert bad.value.code != 0 and "--model" in capsys.readouterr().err

@@ -8,6 +8,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from .graph import OpId
 from .mitigation import STRATEGIES
 
+# How many plans a per-plan cache keeps (the most recent): a run meets few plans again and again,
+# and over a long one with spikes ever new combinations of escalated layers, used once or twice.
+PLANS_CACHED = 256
+
 
 class Plan(Mapping[OpId, str]):
     """{OpId: "keep" | "recompute" | "offload" | "fp8"}; ops not named are kept. Keys may be

@@ -10,12 +10,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ..collector import frozen
 from ..config import Recipe
 from ..costmodel import CostModel
-from ..parallel.launch import run_ranks
+from ..parallel.launch import context, run_ranks
 from ..spikes import imbalance_schedule
 from .collectives import agree
 from .model import check_capacity, demo_cost, demo_stage, pretrained, rank_batches, rank_recipe
@@ -117,7 +115,7 @@ def run_demo(
     timeout_s = timeout_s or 120 + 10 * steps * len(policies)
     queue, pump = None, None
     if progress is not None:
-        queue = torch.multiprocessing.get_context("spawn").SimpleQueue()
+        queue = context().SimpleQueue()
         pump = threading.Thread(target=_pump, args=(queue, progress), daemon=True)
         pump.start()
     try:

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from ..costmodel.graph import COLLECTIVE_OPS, EXPERT_OPS
 from ..costmodel.mitigation import MitigationOptions
 from ..costmodel.model import CostModel
-from ..costmodel.plan import Plan
+from ..costmodel.plan import PLANS_CACHED, Plan
 from .gate import GateDecision, GatePlan, escalated, gate_costs, plan_for_gates
 from .greedy import Decision, InfeasibleBudget, plan_micro_batch
 from .path import PathPlanner
@@ -101,7 +102,9 @@ class Decider:
     def __init__(self, stage: Stage, costs: dict[Hashable, CostModel] | None = None, bands: dict | None = None):
         self.costs: dict[Hashable, CostModel] = dict(costs) if costs is not None else {None: stage.cost}
         self._bands: dict[tuple, Band] = {} if bands is None else bands
-        self._escalated: dict[tuple[Plan, int, bool], Plan] = {}  # one Plan per escalation: caches of plans hit by identity
+        # one Plan per escalation while cached, so caches of plans hit by identity; bounded, as the
+        # spikes' combinations of escalated layers are many over a long run
+        self._escalated = lru_cache(maxsize=PLANS_CACHED)(escalated)
         self._quanta = (0, 0)
         self._use(stage)
         self.budgets = self.first.copy()
@@ -172,10 +175,7 @@ class Decider:
             f.deferred.append(Deferral(layer, pairs, decision.overrun))
         elif decision.action in ("escalate", "collective"):
             together = decision.action == "collective"
-            up = self._escalated.get((f.plan, layer, together))
-            if up is None:
-                up = self._escalated[f.plan, layer, together] = escalated(f.plan, layer, COLLECTIVE_OPS if together else EXPERT_OPS)
-            f.plan = up
+            f.plan = self._escalated(f.plan, layer, COLLECTIVE_OPS if together else EXPERT_OPS)
             f.escalations.append(Escalation(layer, pairs, decision.overrun, decision.slack, together))
         return decision
 

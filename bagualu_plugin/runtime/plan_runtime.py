@@ -19,6 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from ..adapters.experts import RUNNER_ATTR, adapted_weights, require_plain_weigh
 from ..adapters.units import block_spans, block_units, unit_module
 from ..costmodel.graph import LOSS_OPS
 from ..costmodel.mitigation import MitigationOptions, cover
-from ..costmodel.plan import Plan
+from ..costmodel.plan import PLANS_CACHED, Plan
 from .head import install_loss_runner
 from .hooks import SavedTensorHooks
 from .ledger import Ledger, _storage
@@ -65,7 +66,7 @@ class PlanRuntime:
         )
         self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options, HostPool())
         self._regions: dict[tuple[int, tuple[str, ...]], frozenset[str]] = {}
-        self._plans: dict[Plan, dict[tuple[int, tuple[str, ...]], frozenset[str]]] = {}  # set_plan's, per plan
+        self._regions_for = lru_cache(maxsize=PLANS_CACHED)(self._regions_of)  # set_plan's, per plan, the recent ones
         self._ops = frozenset(self.adapter.ops())  # set_plan runs per micro-batch: list them once
         self._frames: dict[tuple[int | None, int], list[weakref.ref]] = {}  # (micro-batch, layer): its live regions
         self._stack: ExitStack | None = None
@@ -80,10 +81,7 @@ class PlanRuntime:
         A plan is validated and its regions found once: the planner hands out few plans, again
         and again."""
         plan = plan if isinstance(plan, Plan) else Plan(plan)
-        regions = self._plans.get(plan)
-        if regions is None:
-            regions = self._plans[plan] = self._regions_of(plan)
-        self._regions, self.hooks.plan = regions, plan
+        self._regions, self.hooks.plan = self._regions_for(plan), plan
 
     def _regions_of(self, plan: Plan) -> dict[tuple[int, tuple[str, ...]], frozenset[str]]:
         """The checkpoint regions of `plan`'s recompute, per (layer, ops): what each drops."""

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from ...adapters import Adapter
 from ...adapters.costs import model_cost
@@ -278,6 +279,7 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
             prov.remove()
 
 
+@record  # a rank's error, with its traceback, in torchrun's summary of the failed job
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config-file", required=True, help="nanotron YAML, optionally with a bagualu: section")
