@@ -5,7 +5,9 @@ the same iterations on its own copy of the model, on every rank:
 - none: nothing mitigated (under-provisioned);
 - full_recompute: every decoder layer recomputed (over-provisioned);
 - static_average / static_worst: one per-op plan for all micro-batches, sized by Algorithm 2 for
-  the normal band (AdaPipe-like) or for the largest spike.
+  the normal band (AdaPipe-like) or for the largest spike;
+- unbounded: nothing mitigated and no capacity (memory counted, never enforced): the fastest any
+  policy can run this model, the limit the others are measured against.
 
 An out-of-memory error on any rank stops the whole job, as on a cluster: every rank's Ledger
 records its first overrun instead of raising (a rank that raised mid-forward would leave the
@@ -43,7 +45,7 @@ from ..stage import Stage
 from .collectives import max_over_ranks, overrun_ranks
 from .model import LEARNING_RATE, rank_model, train_step
 
-POLICIES = ("adaptive", "none", "full_recompute", "static_average", "static_worst")
+POLICIES = ("adaptive", "none", "full_recompute", "static_average", "static_worst", "unbounded")
 
 
 @dataclass
@@ -103,7 +105,7 @@ class JobOutOfMemoryError(torch.OutOfMemoryError):
 def _static_plan(policy: str, stage: Stage) -> Plan:
     """A static policy's one plan: nothing, full recompute, or Algorithm 2 at Algorithm 1's first
     budget (the even share of the warmup stack) for the normal band or the largest spike."""
-    if policy == "none":
+    if policy in ("none", "unbounded"):
         return Plan()
     recipe, cm = stage.recipe, stage.cost
     strategies = None if policy == "full_recompute" else recipe.strategies.allowed
@@ -136,8 +138,9 @@ class PolicyRun:
         if self.current == "adaptive":
             self.runner = Provisioner(self.model, self.stage.recipe, self.stage.cost)
         else:
+            capacity = None if self.current == "unbounded" else self.stage.capacity
             self.runner = PlanRuntime(
-                self.model, options=self.stage.options, capacity_bytes=self.stage.capacity, static_bytes=self.stage.static_bytes
+                self.model, options=self.stage.options, capacity_bytes=capacity, static_bytes=self.stage.static_bytes
             ).install()
             self.runner.set_plan(_static_plan(self.current, self.stage))
         # an overrun stops every rank at the end of the step, not this one in the middle of a collective
