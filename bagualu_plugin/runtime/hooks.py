@@ -54,7 +54,10 @@ class SavedTensorHooks:
     ):
         self.plan, self.ledger, self.current_op, self.options, self.pool = plan, ledger, current_op, options, pool
         self._last_offload: dict[int | None, _Offloads] = {}  # per micro-batch: its latest op's host copies
-        self._forms: dict[StorageKey, tuple[str, object, weakref.ref]] = {}  # live storages this plan has packed
+        # live storages this plan has packed: (form, a weak reference to their Stored, or None,
+        # the owner's weak reference); the savers' packs hold the Stored, so a storage that
+        # outlives its micro-batch's backward (a cached position index) does not keep its copy
+        self._forms: dict[StorageKey, tuple[str, weakref.ref | None, weakref.ref]] = {}
 
     def new_forward(self, *_) -> None:
         """The model's forward pre-hook: this micro-batch's offloads start a new chain, so that
@@ -89,7 +92,7 @@ class SavedTensorHooks:
             return self._keep(tensor, found)
         if strategy == "fp8" and not tensor.is_floating_point():
             return self._keep(tensor, found)
-        form, stored, _ = self._forms.get(key, (None, None, None))
+        form, stored = self._form(key)
         if form == "keep":  # another saver keeps it on the device: share that copy
             return "keep", self.ledger.pack(tensor)
         if stored is None:
@@ -121,14 +124,19 @@ class SavedTensorHooks:
         packed = self.ledger.pack(tensor)
         if found is not None:
             key = found[0]
-            form, stored, _ = self._forms.get(key, (None, None, None))
+            form, stored = self._form(key)
             if isinstance(stored, Stored) and stored.on_device is None:
                 stored.drop(whole_storage(tensor))  # a keeping saver makes the earlier copy moot
             if form != "keep":
                 self._remember(packed[0], key, "keep", None)  # the alias lives as long as the graph keeps it
         return "keep", packed
 
-    def _remember(self, owner: torch.Tensor, key: StorageKey, form: str, stored: object) -> None:
+    def _form(self, key: StorageKey) -> tuple[str | None, Stored | None]:
+        """The storage's remembered form and its Stored while some saver still holds it."""
+        form, stored, _ = self._forms.get(key, (None, None, None))
+        return form, stored() if stored is not None else None
+
+    def _remember(self, owner: torch.Tensor, key: StorageKey, form: str, stored: Stored | None) -> None:
         """Remember the storage's form until `owner` dies (while it lives, the storage lives).
         The entry holds the weakref whose callback forgets it (cheaper than weakref.finalize,
         and this runs for every new saved storage)."""
@@ -137,7 +145,7 @@ class SavedTensorHooks:
             if self._forms.get(key) is token:
                 del self._forms[key]
 
-        token = (form, stored, weakref.ref(owner, forget))
+        token = (form, None if stored is None else weakref.ref(stored), weakref.ref(owner, forget))
         self._forms[key] = token
 
     def unpack(self, packed):
