@@ -1,9 +1,8 @@
 """What several test files share: the recipe of a tiny model, one loss-and-gradients step under a
 plan, the relative error of gradients, several ranks' jobs in one launch, and the collectives a
-rank issues. Tests import it as
-`from helpers import ...` (tests/ is on sys.path: pytest puts a rootdir-less test folder there,
-and tests/conftest.py makes sure; ranks spawned by `parallel.launch.run_ranks` inherit the
-parent's sys.path)."""
+rank issues. Tests import it as `from helpers import ...` (tests/ is on sys.path: pytest puts a
+rootdir-less test folder there, and tests/conftest.py makes sure; the ranks of
+`parallel.launch.run_ranks` take the parent's sys.path)."""
 
 from __future__ import annotations
 
@@ -158,8 +157,8 @@ def run_jobs(size: int, jobs: Mapping[str, tuple], *, timeout_s: float, threads:
     `jobs` maps a name to `(fn, *args)`, `fn(rank, size, *args)` as `run_ranks` calls it. Each
     job's results by name, in rank order, as `run_ranks(fn, size, *args)` returns them. A launch
     costs every rank its start and the test module's imports, and the group's set-up, so checks
-    that need the same ranks share one. Collectives time out after `timeout_s` (a deadlock fails as fast as in a
-    launch of its own); the launch's deadline is each job's own (`timeout_s` + 60 s) added up. A
+    that need the same ranks share one. Collectives time out after `timeout_s` (a deadlock fails
+    as fast as in a launch of its own); the launch's deadline is each job's own (`timeout_s` + 60 s) added up. A
     job that raises fails the launch, so one expected to fail runs in a launch of its own."""
     listed = [(name, job[0], tuple(job[1:])) for name, job in jobs.items()]
     ranks = run_ranks(_jobs, size, listed, timeout_s=timeout_s, threads=threads, deadline_s=len(listed) * (timeout_s + 60))

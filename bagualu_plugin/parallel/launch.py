@@ -73,8 +73,8 @@ def run_ranks(
     """`fn(rank, size, *args)` on `size` processes joined in one gloo group (collectives time out
     after `timeout_s`); returns the ranks' results in rank order. `fn` must be importable (a
     module-level function) and its results picklable. A failure raises RankError naming its
-    cause first (a rank killed, else the first to raise), then what the others reported. `threads`: torch threads per rank
-    (default: the CPUs shared out, at least 1). `deadline_s`: how long the whole launch may take
+    cause first (a rank killed, else the first to raise), then what the others reported.
+    `threads`: torch threads per rank (default: the CPUs shared out, at least 1). `deadline_s`: how long the whole launch may take
     (default `timeout_s` + 60 s: starting and imports, then the collectives' own timeout); a
     longer one for a launch that runs several jobs, each collective still timing out after
     `timeout_s`."""
@@ -104,7 +104,7 @@ def run_ranks(
             try:
                 rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
-                if _died(procs, out, failed) or (first is not None and time.monotonic() > first + GRACE_S):
+                if _dead(procs, out, failed) or (first is not None and time.monotonic() > first + GRACE_S):
                     break
                 if time.monotonic() > deadline:
                     raise RankError(f"ranks {sorted(set(range(size)) - set(out))} did not finish within {allowed:.0f} s") from None
@@ -125,17 +125,16 @@ def run_ranks(
     return [out[r] for r in range(size)]
 
 
-def _died(procs: list, out: dict, failed: dict) -> bool:
-    """Whether a rank exited without reporting (killed, or ended by its own `os._exit`)."""
-    return any(p.exitcode not in (None, 0) and r not in out and r not in failed for r, p in enumerate(procs))
+def _dead(procs: list, out: dict, failed: dict) -> list[int]:
+    """The ranks that exited without reporting (killed, or ended by their own `os._exit`)."""
+    return [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in failed]
 
 
 def _cause(procs: list, out: dict, failed: dict[int, tuple[float, str]]) -> str:
     """The job's failure, its cause first: a rank that died without a word (the others' errors
     follow from it), else the first rank to raise; then the others' errors, a line each."""
-    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in failed]
     lines = []
-    for r in dead:
+    for r in _dead(procs, out, failed):
         code = procs[r].exitcode
         lines.append(f"rank {r} exited with code {code}{f' ({signal.Signals(-code).name})' if code < 0 else ''} before reporting")
     for r, (_, what) in sorted(failed.items(), key=lambda item: item[1][0]):
