@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=_positive("--steps"), default=20, help="training iterations per policy (default 20)")
     d.add_argument(
         "--policies", type=_policies, default=None, metavar="P,P,...",
-        help="a subset of adaptive,none,full_recompute,static_average,static_worst,unbounded"
+        help="a subset of adaptive,none,full_recompute,static_average,static_worst,unbounded,oracle"
     )
     d.add_argument("--png", default="demo-timeline.png", help="where to write the memory timeline (default: demo-timeline.png)")
     d.add_argument("--json", default=None, metavar="FILE", help="also write the numbers of every policy as JSON")

@@ -360,7 +360,8 @@ def demo_title(name: str, recipe: Recipe, steps: int) -> str:
 
 def summary(results: Sequence[PolicyResult]) -> list[dict]:
     """Per policy: the numbers of `bagualu demo --json`, throughput also as a ratio to full
-    recompute and to the unbounded run (the limit), measured in the same run, when those ran."""
+    recompute, to the oracle (the best plans at this capacity) and to the unbounded run (the
+    limit), measured in the same run, when those ran."""
     by = {r.policy: r for r in results}
 
     def vs(r: PolicyResult, policy: str) -> float | None:
@@ -374,6 +375,7 @@ def summary(results: Sequence[PolicyResult]) -> list[dict]:
             "ooms": r.ooms,
             "tokens_per_s": r.tokens_per_s,
             "vs_full_recompute": vs(r, "full_recompute"),
+            "vs_oracle": vs(r, "oracle"),
             "vs_unbounded": vs(r, "unbounded"),
             "peak_device_bytes": r.peak_device_bytes,
             "capacity_bytes": r.capacity_bytes,
@@ -389,12 +391,12 @@ def summary(results: Sequence[PolicyResult]) -> list[dict]:
 def summary_table(rows: Sequence[dict]) -> str:
     """`summary`'s rows as `bagualu demo`'s table."""
     return table(
-        ["policy", "steps", "OOMs", "tokens/s", "vs full recompute", "vs unbounded", "peak device", "capacity", "planner ms/mb"],
+        ["policy", "steps", "OOMs", "tokens/s", "vs full recompute", "vs oracle", "vs unbounded", "peak device", "capacity",
+         "planner ms/mb"],
         [
             [
                 r["policy"], r["steps_completed"], r["ooms"], f"{r['tokens_per_s']:.0f}",
-                "-" if r["vs_full_recompute"] is None else f"{r['vs_full_recompute']:.2f}x",
-                "-" if r["vs_unbounded"] is None else f"{r['vs_unbounded']:.2f}x",
+                *("-" if r[k] is None else f"{r[k]:.2f}x" for k in ("vs_full_recompute", "vs_oracle", "vs_unbounded")),
                 fmt_bytes(r["peak_device_bytes"]), fmt_bytes(r["capacity_bytes"]), f"{r['planner_ms_per_micro_batch']:.2f}",
             ]
             for r in rows

@@ -95,22 +95,23 @@ def test_every_error_reads_as_argparse_writes_its_own(args, message, capsys):
 @pytest.mark.multiprocess
 def test_demo_writes_table_timeline_and_json(tmp_path):
     png, out = tmp_path / "timeline.png", tmp_path / "demo.json"
-    done = _run("demo", "--steps", "2", "--policies", "adaptive,none,unbounded", "--png", str(png), "--json", str(out))
+    done = _run("demo", "--steps", "2", "--policies", "adaptive,none,unbounded,oracle", "--png", str(png), "--json", str(out))
     assert done.returncode == 0, done.stderr
-    assert "vs full recompute" in done.stdout and "vs unbounded" in done.stdout and "planner ms/mb" in done.stdout
+    assert all(f"vs {p}" in done.stdout for p in ("full recompute", "oracle", "unbounded")) and "planner ms/mb" in done.stdout
     assert "EP rank 0 of 4 processes" in done.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = json.loads(out.read_text())["policies"]
-    assert [r["policy"] for r in rows] == ["adaptive", "none", "unbounded"]
+    assert [r["policy"] for r in rows] == ["adaptive", "none", "unbounded", "oracle"]
     for r in rows:
         assert {"policy", "steps_completed", "ooms", "tokens_per_s", "peak_device_bytes", "capacity_bytes"} <= set(r)
         assert r["steps_completed"] + r["ooms"] == 2
         assert r["rank"] == 0 and len(r["rank_peak_device_bytes"]) == 4
     assert rows[0]["ooms"] == 0 and rows[0]["peak_device_bytes"] <= rows[0]["capacity_bytes"]
-    adaptive, none, unbounded = rows
+    adaptive, none, unbounded, oracle = rows
     # no capacity: the unmitigated run that crashed under it completes, over it
     assert none["ooms"] == 1 and unbounded["ooms"] == 0 and unbounded["peak_device_bytes"] > unbounded["capacity_bytes"]
     assert unbounded["vs_unbounded"] == 1.0 and 0 < adaptive["vs_unbounded"] and adaptive["vs_full_recompute"] is None
+    assert oracle["ooms"] == 0 and oracle["vs_oracle"] == 1.0 and adaptive["vs_oracle"] > 0
 
 
 def test_demo_fails_before_training_when_capacity_cannot_hold_m0(tmp_path, capsys):

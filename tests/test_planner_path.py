@@ -15,6 +15,7 @@ from bagualu_plugin.config import load_recipe
 from bagualu_plugin.costmodel import CostModel, MitigationOptions
 from bagualu_plugin.costmodel import model as model_module
 from bagualu_plugin.planner import InfeasibleBudget, PathPlanner, greedy, plan_micro_batch
+from bagualu_plugin.planner.decider import Band, Foresight
 from bagualu_plugin.stage import Stage
 
 STRATEGY_SETS = {"all": ("recompute", "offload", "fp8"), "recompute": ("recompute",), "offload": ("offload",), "fp8": ("fp8",)}
@@ -215,3 +216,29 @@ def test_infeasible_budgets_raise_a_new_exception_that_keeps_no_caller_alive(cas
         depths.add(depth)
     assert len(depths) == 1  # the traceback does not grow from call to call
     assert planner.answers == 10 and planner.paths == 1
+
+
+def test_a_foreseen_routing_is_planned_as_the_greedy_from_scratch(cases):
+    """The oracle's plan (`Foresight`: the routing known before the forward) is Algorithm 2's for
+    that routing at the budget, from scratch, and its gates leave no room for a spike: at the
+    routing known every gate fits; where no plan fits, the most Algorithm 2 can save."""
+    rng = random.Random(5)
+    for case in cases:
+        band = Band(PathPlanner(case.cm, case.budget_quantum, case.routed_quantum, case.allowed, case.options), case.tokens,
+                    case.seq_len, NORMAL, SPIKE)
+        for routed in _routings(case, rng):
+            pairs = tuple(-(-int(r) // case.routed_quantum) * case.routed_quantum for r in routed)
+            foresight = Foresight(band, dict(zip(case.cm.moe_layers, routed)))
+            top = case.cm.footprint(case.tokens, pairs, case.seq_len, None, case.options).needed_bytes
+            for budget in [0.0, 1.1 * top] + [rng.uniform(0.3 * top, top) for _ in range(4)]:
+                floor = int(budget // case.budget_quantum) * case.budget_quantum
+                want = _outcome(plan_micro_batch, case.cm, floor, case.tokens, pairs, case.seq_len, case.allowed, case.options)
+                gates, slack = foresight.plan(budget)
+                assert gates.decision == want[1], f"{case.name} budget {floor} routed {pairs}"
+                assert slack == budget - want[1].activation_bytes - want[1].reload_bytes
+                assert gates.need == 0 and gates.planned == max(pairs)
+                if want[0] == "plan":
+                    for layer, x in zip(case.cm.moe_layers, routed):
+                        assert gates.at_gate(layer, x, slack, 0.0).action == "fits"
+    with pytest.raises(ValueError, match=r"routed: no local routed pairs for MoE layers \[\d+"):
+        Foresight(band, {})

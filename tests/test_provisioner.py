@@ -13,6 +13,7 @@ from bagualu_plugin.config import Recipe, load_recipe
 from bagualu_plugin.costmodel import ModelDims
 from bagualu_plugin.planner import GateDecision, at_gate
 from bagualu_plugin.runtime import Ledger, SimulatedOutOfMemoryError
+from bagualu_plugin.runtime.boundaries import ForwardKind
 from bagualu_plugin.runtime.driver import run_iteration
 from bagualu_plugin.runtime.provisioner import apply
 from bagualu_plugin.sim import read_trace
@@ -177,5 +178,48 @@ def test_default_cost_model_prices_mitigation_on_the_recipe_s_hardware():
         priced = cm.mitigation_cost(op, "offload", tokens, seq_len=SEQ)
         assert priced == h100.mitigation_cost(op, "offload", tokens, seq_len=SEQ)
         assert priced.forward_s != cpu.mitigation_cost(op, "offload", tokens, seq_len=SEQ).forward_s
+    finally:
+        prov.remove()
+
+
+def test_a_foreseen_micro_batch_is_planned_for_the_routing_it_brings():
+    """The oracle's two passes: `routing` reads what each gate will see (no gradient, no plan),
+    `foresee` plans the micro-batch for it; its forward then runs Algorithm 2's plan for that
+    routing at its budget, never escalates, stays within its budget and trains bitwise as
+    without the plugin."""
+    model = tiny_model("glm4_moe", num_hidden_layers=4)
+    cm = model_cost(model)
+    recipe = tiny_recipe(
+        model, seq_len=SEQ, micro_batch_size=BATCH, capacity_bytes=int(2.5 * cm.activation_bytes(BATCH * SEQ, seq_len=SEQ)),
+        pipeline={"pp": PP, "rank": RANK, "micro_batches": M}, strategies={"allowed": ["recompute", "offload"]},
+    )
+    batches = _batches()
+
+    def grads():
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    run_iteration(model, batches, Stage.of(recipe, cm, split=False).schedule)
+    stock = grads()
+    model.zero_grad(set_to_none=True)
+    prov = apply(model, recipe, cm)
+    try:
+        run_iteration(model, batches, prov.stage.schedule, prov)
+        seen = [e.routed for e in prov.events]
+        model.zero_grad(set_to_none=True)
+        routing = [prov.routing(model, input_ids=ids) for ids in batches]
+        assert routing == seen and prov.ledger.live_device_bytes == 0  # the first pass keeps nothing
+        for mb, ids in enumerate(batches):
+            prov.foresee(mb, ids.numel(), SEQ, routing[mb])
+        run_iteration(model, batches, prov.stage.schedule, prov)
+        foreseen = list(prov.events)[M:]
+        for e in foreseen:
+            want = prov.decider.foresee(e.tokens, SEQ, routing[e.micro_batch], ForwardKind()).plan(e.budget)[0].decision
+            assert e.plan == want.plan.named() and e.predicted == want.activation_bytes
+            assert not e.escalations and not e.deferred and e.actual <= e.budget
+        assert any(e.plan for e in foreseen)  # it had to mitigate
+        assert all(torch.equal(a, b) for a, b in zip(grads(), stock, strict=True))
+        prov.foresee(0, BATCH * SEQ, SEQ, routing[0])
+        with pytest.raises(ValueError, match=r"begin_forward\(0\): foreseen for 64 tokens of length 32"):
+            prov.begin_forward(0, BATCH * SEQ // 2, SEQ // 2)
     finally:
         prov.remove()

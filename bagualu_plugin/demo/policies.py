@@ -7,7 +7,10 @@ the same iterations on its own copy of the model, on every rank:
 - static_average / static_worst: one per-op plan for all micro-batches, sized by Algorithm 2 for
   the normal band (AdaPipe-like) or for the largest spike;
 - unbounded: nothing mitigated and no capacity (memory counted, never enforced): the fastest any
-  policy can run this model, the limit the others are measured against.
+  policy can run this model, the limit the others are measured against;
+- oracle: adaptive, but each micro-batch planned by Algorithm 2 for its real routing, known before
+  its forward (a first pass records it, untimed: `Provisioner.routing`, `Provisioner.foresee`):
+  the best the adaptive plans can be at this capacity.
 
 An out-of-memory error on any rank stops the whole job, as on a cluster: every rank's Ledger
 records its first overrun instead of raising (a rank that raised mid-forward would leave the
@@ -45,7 +48,8 @@ from ..stage import Stage
 from .collectives import max_over_ranks, overrun_ranks
 from .model import LEARNING_RATE, rank_model, train_step
 
-POLICIES = ("adaptive", "none", "full_recompute", "static_average", "static_worst", "unbounded")
+POLICIES = ("adaptive", "none", "full_recompute", "static_average", "static_worst", "unbounded", "oracle")
+PLANNED = ("adaptive", "oracle")  # the policies a Provisioner runs
 
 
 @dataclass
@@ -135,7 +139,7 @@ class PolicyRun:
         self._install()  # the Provisioner refuses a capacity that cannot hold M0, before any training
 
     def _install(self) -> None:
-        if self.current == "adaptive":
+        if self.current in PLANNED:
             self.runner = Provisioner(self.model, self.stage.recipe, self.stage.cost)
         else:
             capacity = None if self.current == "unbounded" else self.stage.capacity
@@ -152,8 +156,13 @@ class PolicyRun:
         if self.runner is None:  # installed once; again only after a restart
             self._install()
         stage, result = self.stage, self.result
-        adaptive, ledger, static = self.current == "adaptive", self.runner.ledger, stage.static_bytes
+        adaptive, ledger, static = self.current in PLANNED, self.runner.ledger, stage.static_bytes
         entries: list[TimelineEntry] = []
+        if self.current == "oracle":  # the first pass, before the iteration's clock starts
+            for mb, ids in enumerate(self.batches):
+                with self._skew(it, mb):
+                    routed = self.runner.routing(self.model, input_ids=ids)
+                self.runner.foresee(mb, ids.numel(), ids.shape[-1], routed)
 
         @contextmanager
         def around(step: Step):
@@ -164,9 +173,7 @@ class PolicyRun:
             before = static + ledger.live_device_bytes
             # the micro-batch's routing skew stays for its backward: a recompute routes as the forward did
             with ExitStack() as stack:
-                for layer, x in imbalance.items():
-                    fraction = skew_fraction(min(x, self.size), self.size)
-                    stack.enter_context(RoutingSkew(self.adapter, fraction, self.size, self.hot, layers=[layer]))
+                stack.enter_context(self._skew(it, mb))
                 if step.kind == "F" and not adaptive:
                     ledger.micro_batch = mb
                     stack.enter_context(self.runner.forward())
@@ -207,6 +214,15 @@ class PolicyRun:
         result.seconds += elapsed
         result.steps_completed += 1
         result.tokens += stage.tokens * len(self.batches) * self.size
+
+    @contextmanager
+    def _skew(self, it: int, mb: int):
+        """Iteration `it`'s routing skew of micro-batch `mb` on the hot rank's experts, on every rank."""
+        with ExitStack() as stack:
+            for layer, x in self.schedule[it][mb].items():
+                fraction = skew_fraction(min(x, self.size), self.size)
+                stack.enter_context(RoutingSkew(self.adapter, fraction, self.size, self.hot, layers=[layer]))
+            yield
 
     def close(self) -> PolicyResult:
         if isinstance(self.runner, Provisioner):

@@ -11,11 +11,15 @@ in the simulator, the kinds of forward a trainer runs (`runtime.boundaries.Forwa
 Provisioner. Per key and micro-batch shape, the normal band is prepared once (`Band`): Algorithm
 2's whole path of plans (`PathPlanner.complete`, answered in buckets of 1/16 of M0 and of the
 balanced routing) and each plan's gates, so a micro-batch's decisions are lookups.
+
+A micro-batch whose routing is known before its forward (`Foresight`: an oracle's, which ran the
+forward once to record it) is planned by Algorithm 2 for that routing instead: the limit of
+what deferred planning can reach, a benchmark's reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -92,6 +96,36 @@ class Band:
         return self._planner.answer(self._key, budget)
 
 
+class Foresight:
+    """A micro-batch's local routed pairs per MoE layer, known before its forward, with Algorithm
+    2's whole path for them and each plan's gates, prepared now (on a planner of its own, dropped
+    with it), so its forward's decisions are lookups. Its gates plan for the routing known: they
+    leave no room for a spike, and one escalates only where no plan fits the budget."""
+
+    def __init__(self, band: Band, routed: Mapping[int, float]):
+        missing = [layer for layer in band.moe_layers if layer not in routed]
+        if missing:
+            raise ValueError(f"routed: no local routed pairs for MoE layers {missing}; got layers {sorted(routed)}")
+        source = band._planner
+        self._planner = planner = PathPlanner(source.cm, source.budget_quantum, source.routed_quantum, source.strategies, source.options)
+        tokens, seq_len, _ = band._key
+        self._key = planner.key(tokens, [routed[layer] for layer in band.moe_layers], seq_len)
+        top = max(self._key[2], default=0)  # a gate's pairs never exceed their layer's, rounded up as planned
+        self._gates = {
+            d: GatePlan.of(d, gate_costs(planner.cm, d.plan, tokens, seq_len, top, planner.options), top, top)
+            for d in planner.complete(self._key)
+        }
+
+    def plan(self, budget: float) -> tuple[GatePlan, float]:
+        """The plan for `budget` (Algorithm 2's, or the most it can save where none fits) with its
+        gates, and its slack."""
+        try:
+            decision = self._planner.answer(self._key, budget)
+        except InfeasibleBudget as exc:
+            decision = exc.best
+        return self._gates[decision], budget - decision.activation_bytes - decision.reload_bytes
+
+
 class Decider:
     """One rank's Algorithm 1 state and its Algorithm 2 and gate decisions (§V-A). `stage`: the
     rank's numbers (capacity, static bytes, M0, warmup depth, routing band, strategies); `costs`:
@@ -151,11 +185,22 @@ class Decider:
         self.budgets = self.first.copy()
         self.budgets.used += held
 
-    def begin(self, k: int, tokens: int, seq_len: int | None, key: Hashable = None) -> Forward:
-        """Forward k's budget and its plan for the normal band, for `tokens` tokens of `key`."""
+    def foresee(self, tokens: int, seq_len: int | None, routed: Mapping[int, float], key: Hashable = None) -> Foresight:
+        """A forward of `tokens` tokens of `key` whose local routed pairs per MoE layer are known
+        ahead (`routed`), prepared for `begin`."""
+        return Foresight(self.band(key, tokens, seq_len), routed)
+
+    def begin(
+        self, k: int, tokens: int, seq_len: int | None, key: Hashable = None, foresight: Foresight | None = None
+    ) -> Forward:
+        """Forward k's budget and its plan for the normal band, for `tokens` tokens of `key`; with
+        `foresight` (`foresee`'s, for the same micro-batch), its plan for the routing known."""
         budget = self.budgets.budget(k)
         band = self._bands.get((key, tokens, seq_len)) or self.band(key, tokens, seq_len)
-        gates, slack = plan_for_gates(band.plan, band.gates.__getitem__, budget, band.planned, band.heaviest)
+        if foresight is None:
+            gates, slack = plan_for_gates(band.plan, band.gates.__getitem__, budget, band.planned, band.heaviest)
+        else:
+            gates, slack = foresight.plan(budget)
         return Forward(k, budget, gates, gates.decision.plan, slack, self.budgets.headroom(k), band.balanced)
 
     def at_gate(self, f: Forward, layer: int, pairs: float, agree: Callable[[bool], bool] | None = None) -> GateDecision:

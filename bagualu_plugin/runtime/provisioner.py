@@ -22,6 +22,7 @@ import os
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -36,7 +37,7 @@ from ..config import Batch, Recipe
 from ..costmodel import CostModel
 from ..derive import derive_recipe
 from ..parallel.expert import any_rank, expert_group
-from ..planner.decider import Decider, Deferral, Escalation, Forward
+from ..planner.decider import Decider, Deferral, Escalation, Foresight, Forward
 from ..stage import Stage, mitigation_options
 from ..units import fmt_bytes
 from .boundaries import Boundaries, ForwardKind
@@ -189,6 +190,7 @@ class Provisioner:
         self.forwards, self.planner_s = 0, 0.0
         self._awaiting_backward: dict[int, Event] = {}
         self._forward: _Forward | None = None
+        self._foreseen: dict[int, tuple[tuple[int, int, ForwardKind], Foresight]] = {}  # by micro-batch (`foresee`)
         self._shapes: set[tuple[int, int, ForwardKind]] = set()  # (tokens, seq_len, kind) of the micro-batches seen
         self._peak = 0  # peak_device_bytes before the static bytes last changed
         setattr(adapter.model, INSTALLED_ATTR, self)
@@ -304,7 +306,13 @@ class Provisioner:
                 )
         # plan for the common case (97.1% of iterations stay under normal_max_imbalance, §II-B),
         # leaving each gate what it needs to catch routing up to spike_max_imbalance
-        decided = self.decider.begin(mb, tokens, seq_len, kind)
+        foreseen = self._foreseen.pop(mb, None)
+        if foreseen is not None and foreseen[0] != (tokens, seq_len, kind):
+            raise ValueError(
+                f"begin_forward({mb}): foreseen for {foreseen[0][0]} tokens of length {foreseen[0][1]} ({foreseen[0][2]}), "
+                f"but {tokens} of length {seq_len} ({kind}) come"
+            )
+        decided = self.decider.begin(mb, tokens, seq_len, kind, None if foreseen is None else foreseen[1])
         decision, budget = decided.gates.decision, decided.budget
         if decided.slack + decided.gates.floor < 0:
             warnings.warn(
@@ -327,6 +335,33 @@ class Provisioner:
         self._forward = _Forward(event, decided, hooks)
         event.planner_s = time.perf_counter() - start
         return event
+
+    def routing(self, forward: Callable[..., object], /, *args, **kwargs) -> dict[int, int]:
+        """The local routed pairs per MoE layer of `forward(*args, **kwargs)` (the model), run now without gradients, plan or
+        decisions: an oracle's first pass, whose forward routes as the training forward will
+        (under expert parallelism every rank of the group runs it at once: dispatch exchanges the
+        counts)."""
+        if self._forward is not None:
+            raise ValueError(f"routing(): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
+        self.gate.reset()
+        self.gate.active = True
+        try:
+            with torch.no_grad():
+                forward(*args, **kwargs)
+        finally:
+            self.gate.active = False
+        routed = self.gate.local_pairs()
+        self.gate.reset()
+        return routed
+
+    def foresee(self, mb: int, tokens: int, seq_len: int, routed: dict[int, int], *, kind: ForwardKind = ForwardKind()) -> None:
+        """Micro-batch `mb`'s next forward brings `routed` local pairs to each MoE layer (`routing`'s):
+        it is planned by Algorithm 2 for that routing, not for the normal band (paper §V-A's
+        planning with the routing known: the oracle benchmarks measure adaptive provisioning
+        against). Prepared now, so its forward decides by lookup."""
+        if (tokens, seq_len, kind) not in self._shapes:
+            self._grow(mb, tokens, seq_len, kind)
+        self._foreseen[mb] = ((tokens, seq_len, kind), self.decider.foresee(tokens, seq_len, routed, kind))
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
         """Deferred planning: the experts of `layer` have not run yet (`planner.at_gate`). Under
@@ -395,6 +430,7 @@ class Provisioner:
         if self._forward is not None:
             self._forward.hooks.close()
             self._forward = None
+        self._foreseen.clear()
         if self.executor is not None:
             self.executor.start()
         dropped = set(map(id, self._awaiting_backward.values()))
