@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--png", default="demo-timeline.png", help="where to write the memory timeline (default: demo-timeline.png)")
     d.add_argument("--json", default=None, metavar="FILE", help="also write the numbers of every policy as JSON")
     d.add_argument("--seed", type=int, default=0, help="model and batch seed (the spike schedule has the recipe's)")
+    d.add_argument(
+        "--no-manual-gc", dest="manual_gc", action="store_false",
+        help="leave Python's garbage collector automatic (default: frozen after set-up, every rank collecting between iterations)",
+    )
 
     pr = sub.add_parser("profile", help="fit the cost model to a saved HF MoE model by running it (paper §IV)")
     pr.add_argument("--model", required=True, metavar="DIR", help="a save_pretrained directory (loaded offline)")
@@ -332,7 +336,7 @@ def _demo(args: argparse.Namespace) -> int:
     try:
         # the bar counts the hot rank's policy iterations, reported as they finish
         with tqdm(total=args.steps * len(policies), desc="policy iterations", unit="it") as bar:
-            results = run_demo(recipe, args.steps, policies, seed=args.seed, progress=bar.update)
+            results = run_demo(recipe, args.steps, policies, seed=args.seed, progress=bar.update, manual_gc=args.manual_gc)
     except ValueError as exc:  # e.g. a capacity that cannot hold M0, found before training
         raise CliError(f"{args.recipe}: {exc}") from None
     rows = summary(results)

@@ -16,16 +16,22 @@ point overlaps nothing (its classes one after another, each a chain).
 
 Then measured: the executor (`runtime.dual_batch`) against the unfused 1F1B driver on CPU, with
 real expert parallelism over 2 gloo processes of one thread each (a tiny GLM-4-MoE, pipeline
-rank 0 of 4, 8 micro-batches, plans that recompute and offload), iterations alternating between two copies of the model, the median per
-iteration of the slower rank, and the DP's cache over the run. On CPU nothing runs concurrently
+rank 0 of 4, 8 micro-batches, plans that recompute and offload), iterations alternating between
+two copies of the model, each iteration's time that of the slower rank (its median and spread
+over the iterations) and each rank's CPU time, and the DP's cache over the run. The collector
+is frozen after set-up and every rank collects between iterations (`collector.ManualCollector`):
+a full collection of the whole heap (0.16-0.18 s here) on either rank stalls both at the next
+all-to-all, and the unfused run, which allocates a whole forward at once, triggered them about
+twice as often. On CPU nothing runs concurrently
 (one stream; gloo's all-to-alls block), so this measures what fusing costs or saves without
 overlap: the piece-wise autograd and the schedule's bookkeeping.
 
-    python benchmarks/dual_batch.py   (about 1 min on 2 CPU cores)
+    python benchmarks/dual_batch.py [--iterations 16]   (about 2 min on 2 CPU cores)
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -34,6 +40,7 @@ import torch
 from bagualu_plugin import apply, expert_parallel
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.collector import ManualCollector
 from bagualu_plugin.config import Recipe, builtin_recipes, load_recipe
 from bagualu_plugin.costmodel import ModelDims
 from bagualu_plugin.costmodel.pipeline import fused_points
@@ -47,6 +54,11 @@ from bagualu_plugin.units import fmt_seconds
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=16, help="measured iterations per schedule (after one warm-up each)")
+    args = parser.parse_args()
+    if args.iterations < 1:
+        parser.error(f"--iterations must be >= 1, got {args.iterations}")
     presets = sorted(name for name in builtin_recipes() if name.startswith("glm-"))
     rows = []
     for name in presets:
@@ -77,7 +89,7 @@ def main() -> None:
     print("predicted by the cost model (pipeline rank 0, chunk 0, balanced routing; a bound, see the docstring); paper: 1.13x (L3 -> L4)")
     print(table(["preset", "ops planned", "point serial", "point fused", "point", "iteration", "DP uncached", "DP cached"], rows))
 
-    measured()
+    measured(args.iterations)
 
 
 def _rank(rank: int, size: int, iterations: int) -> dict:
@@ -110,37 +122,49 @@ def _rank(rank: int, size: int, iterations: int) -> dict:
         runs[fused] = copy, apply(copy, recipe.model_copy(update={"pipeline": pipeline}))
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, model.config.vocab_size, (batch, seq), generator=g) for _ in range(m)]
-    times = {True: [], False: []}
-    for it in range(iterations + 1):  # the first of each: warm-up
-        for fused, (run, prov) in runs.items():
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            run_iteration(run, batches, prov.stage.schedule, prov)
-            run.zero_grad(set_to_none=True)
-            if it:
-                times[fused].append(time.perf_counter() - start)
+    times, cpu = {True: [], False: []}, {True: [], False: []}
+    with ManualCollector() as collector:
+        for it in range(iterations + 1):  # the first of each: warm-up
+            for fused, (run, prov) in runs.items():
+                torch.distributed.barrier()
+                start, start_cpu = time.perf_counter(), time.process_time()
+                run_iteration(run, batches, prov.stage.schedule, prov)
+                run.zero_grad(set_to_none=True)
+                if it:
+                    times[fused].append(time.perf_counter() - start)
+                    cpu[fused].append(time.process_time() - start_cpu)
+                collector.step()  # every rank, between the timed iterations
     prov = runs[True][1]
     points = [e.point for e in prov.events if e.point]
     strategies = sorted({s for e in prov.events for s in e.plan.values()})
     return {
-        "fused": statistics.median(times[True]), "unfused": statistics.median(times[False]), "strategies": strategies,
+        "times": times, "cpu": {fused: statistics.median(c) for fused, c in cpu.items()}, "strategies": strategies,
         "hit_rate": sum(p.cache_hit for p in points) / len(points), "points": len(points),
         "predicted": statistics.median(p.serial_s / p.predicted_s for p in points),
         "recovered": sum(p.recovered is not None for p in points),
     }
 
 
-def measured(iterations: int = 5) -> None:
-    ranks = run_ranks(_rank, 2, iterations, timeout_s=600)
-    fused, unfused = max(r["fused"] for r in ranks), max(r["unfused"] for r in ranks)
+def measured(iterations: int) -> None:
+    ranks = run_ranks(_rank, 2, iterations, timeout_s=600 + 30 * iterations)
+    # each iteration's time is the slower rank's
+    slowest = {fused: [max(t) for t in zip(*(r["times"][fused] for r in ranks))] for fused in (True, False)}
+    median = {fused: statistics.median(t) for fused, t in slowest.items()}
     r = ranks[0]
     print(f"\nmeasured on CPU: 2 expert-parallel gloo processes, pipeline rank 0 of 4, 8 micro-batches, plans: "
           f"{', '.join(r['strategies'])}; {r['points']} fused points, {r['recovered']} with y+1 recovered ahead; "
-          f"DP cache hit rate {r['hit_rate']:.0%}")
+          f"DP cache hit rate {r['hit_rate']:.0%}; {iterations} iterations each, collector frozen")
+    rows = []
+    for fused, name in ((False, "unfused 1F1B"), (True, "fused dual-batch")):
+        t = slowest[fused]
+        rows.append([
+            name, f"{median[fused]:.3f}", f"{min(t):.3f}-{max(t):.3f}", f"{median[False] / median[fused]:.2f}x",
+            " / ".join(f"{q['cpu'][fused]:.3f}" for q in ranks), f"{r['predicted']:.2f}x" if fused else "-",
+        ])
     print(table(
-        ["schedule", "s / iteration (median)", "vs unfused", "predicted point (cost model, CPU preset)"],
-        [["unfused 1F1B", f"{unfused:.3f}", "1.00x", "-"],
-         ["fused dual-batch", f"{fused:.3f}", f"{unfused / fused:.2f}x", f"{r['predicted']:.2f}x"]],
+        ["schedule", "s / iteration (median)", "min-max", "vs unfused", "CPU s / iteration, rank 0 / 1 (median)",
+         "predicted point (cost model, CPU preset)"],
+        rows,
     ))
 
 

@@ -11,7 +11,9 @@ its `pipeline.micro_batches` and `batch` win over `--micro-batches`, `--batch-si
 `--seq-len`. On CPU `--capacity` (or the recipe's `hardware.capacity_bytes`) is the simulated
 device memory the plugin plans for. The loop has no plugin code in it: the plugin finds each
 micro-batch on the model. `--no-adaptive` is the same run without the plugin: its activations are
-counted, not limited, so the two runs compare step by step.
+counted, not limited, so the two runs compare step by step. The garbage collector is frozen
+after set-up and every process collects at the end of each optimizer step (`--no-manual-gc`:
+Python's own collector), so no process's collection stalls the others inside a step.
 
 Writes to `--output-dir`: `metrics.jsonl` (per optimizer step: loss, every process's peak device
 bytes, the capacity, tokens/s), `telemetry.jsonl` (the plugin's events; process r > 0 writes
@@ -37,6 +39,7 @@ from transformers import AutoModelForCausalLM
 
 from bagualu_plugin import data
 from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.collector import ManualCollector
 from bagualu_plugin.config import RecipeError, read_recipe
 from bagualu_plugin.integrations.accelerate import apply, prepare_model
 from bagualu_plugin.parallel import save_expert_parallel
@@ -59,6 +62,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-adaptive", action="store_true", help="the same run without the plugin")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--no-manual-gc", dest="manual_gc", action="store_false",
+        help="leave Python's garbage collector automatic (default: frozen after set-up, collecting after each step)",
+    )
     parser.add_argument(
         "--timeout-s", type=float, default=600.0, help="process group timeout: a stuck collective fails after this many seconds"
     )
@@ -125,29 +132,33 @@ def main(argv: list[str] | None = None) -> None:
 
     metrics, steps = (out / "metrics.jsonl").open("w") if main_process else None, []
     try:
-        for step in tqdm(range(args.steps), desc="fine-tuning" + (" (no plugin)" if args.no_adaptive else ""), disable=not main_process):
-            ledger.reset_peak()
-            start, losses = time.perf_counter(), []
-            for ids in next(batches):
-                ids = ids.to(accelerator.device)
-                with accelerator.accumulate(model), contextlib.nullcontext() if prov else ledger.track():
-                    loss = model(input_ids=ids, labels=ids).loss
-                    accelerator.backward(loss)
-                    losses.append(loss.detach())
-                    optimizer.step()
-                    optimizer.zero_grad()
-            seconds = time.perf_counter() - start
-            loss = accelerator.reduce(torch.stack(losses).mean(), "mean").item()
-            static = prov.stage.static_bytes if prov else stage.static_bytes  # the plugin's is re-based as the optimizer's state appears
-            peaks = accelerator.gather(torch.tensor([static + ledger.peak_device_bytes], device=accelerator.device))
-            line = {
-                "step": step, "loss": loss, "peak_device_bytes": peaks.tolist(), "capacity_bytes": stage.capacity,
-                "tokens_per_s": n * m * mbs * seq / seconds,
-            }
-            steps.append(line)
-            if metrics:
-                metrics.write(json.dumps(line) + "\n")
-                metrics.flush()
+        with ManualCollector(args.manual_gc) as collector:
+            desc = "fine-tuning" + (" (no plugin)" if args.no_adaptive else "")
+            for step in tqdm(range(args.steps), desc=desc, disable=not main_process):
+                ledger.reset_peak()
+                start, losses = time.perf_counter(), []
+                for ids in next(batches):
+                    ids = ids.to(accelerator.device)
+                    with accelerator.accumulate(model), contextlib.nullcontext() if prov else ledger.track():
+                        loss = model(input_ids=ids, labels=ids).loss
+                        accelerator.backward(loss)
+                        losses.append(loss.detach())
+                        optimizer.step()
+                        optimizer.zero_grad()
+                seconds = time.perf_counter() - start
+                loss = accelerator.reduce(torch.stack(losses).mean(), "mean").item()
+                # the plugin's static bytes are re-based as the optimizer's state appears
+                static = prov.stage.static_bytes if prov else stage.static_bytes
+                peaks = accelerator.gather(torch.tensor([static + ledger.peak_device_bytes], device=accelerator.device))
+                line = {
+                    "step": step, "loss": loss, "peak_device_bytes": peaks.tolist(), "capacity_bytes": stage.capacity,
+                    "tokens_per_s": n * m * mbs * seq / seconds,
+                }
+                steps.append(line)
+                if metrics:
+                    metrics.write(json.dumps(line) + "\n")
+                    metrics.flush()
+                collector.step()
     finally:
         if metrics:
             metrics.close()

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -70,9 +72,21 @@ def _run(workdir: Path, name: str, recipe: dict, steps: int, processes: int, *fl
     else:
         cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(EXAMPLE), *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    # faulthandler on: a launch past its timeout is aborted (SIGABRT to its whole session), and
+    # every process's Python stacks end up in the failure message
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    launch = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = launch.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGABRT)
+        try:
+            out, err = launch.communicate(timeout=20)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launch.pid, signal.SIGKILL)
+        pytest.fail(f"{name}: the launch ran past 300 s; its processes' stacks:\n{err[-12000:]}")
+    assert launch.returncode == 0, err[-4000:]
     return [json.loads(line) for line in (workdir / name / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..collector import frozen
+from ..collector import ManualCollector
 from ..config import Recipe
 from ..costmodel import CostModel
 from ..parallel.launch import context, run_ranks
@@ -44,11 +44,13 @@ class SetupError:
 
 
 def demo_rank(
-    rank: int, size: int, recipe: Recipe, steps: int, policies: Sequence[str], seed: int = 0, progress=None
+    rank: int, size: int, recipe: Recipe, steps: int, policies: Sequence[str], seed: int = 0, progress=None,
+    manual_gc: bool = True,
 ) -> list[PolicyResult] | SetupError:
     """The demo on expert-parallel rank `rank` of `size` (a `run_ranks` worker): profile, pretrain,
     then `steps` iterations of every policy, taking turns, all in the same order as every other
-    rank. `progress`: a queue the hot rank puts 1 on after every policy iteration."""
+    rank. `progress`: a queue the hot rank puts 1 on after every policy iteration; `manual_gc`:
+    `collector.ManualCollector` around the policies' iterations (else Python's own collector)."""
     _caching_host_allocator()
     hot = recipe.parallel.ep_rank
     mine = rank_recipe(recipe, rank)
@@ -75,12 +77,14 @@ def demo_rank(
             run.close()
         return SetupError(error)
     # What exists now (models, cost model, torch and HF modules) lives to the end (`collector`):
-    # else each full collection walks it all (0.2 s here, at random iterations of random policies)
+    # else each full collection walks it all (0.2 s here, at random iterations of random policies);
+    # every rank collects after each policy iteration, outside its timed span
     try:
-        with frozen():
+        with ManualCollector(manual_gc) as collector:
             for it in range(steps):
                 for run in runs:
                     run.iteration(it)
+                    collector.step()
                     if progress is not None and rank == hot:
                         progress.put(1)
     finally:
@@ -95,12 +99,14 @@ def run_demo(
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
     timeout_s: float | None = None,
+    manual_gc: bool = True,
 ) -> list[PolicyResult]:
     """`steps` iterations of every policy on `recipe.parallel.ep` expert-parallel ranks, each its
     own process (`demo_rank`); returns, per policy, the hot rank's (`parallel.ep_rank`) memory
     with the job's OOMs, time and tokens, and every rank's peak. `progress(n)` is called (from a
     thread of this process) after every policy iteration. `timeout_s`: the job's deadline and
-    the collectives' timeout (default: generous for the demo's size)."""
+    the collectives' timeout (default: generous for the demo's size); `manual_gc`: every rank's
+    garbage collector frozen after set-up, collecting between policy iterations (`demo_rank`)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     unknown = [p for p in policies if p not in POLICIES]
@@ -119,7 +125,9 @@ def run_demo(
         pump = threading.Thread(target=_pump, args=(queue, progress), daemon=True)
         pump.start()
     try:
-        ranks = run_ranks(demo_rank, ep, recipe, steps, list(policies), seed, queue, timeout_s=timeout_s, threads=THREADS_PER_RANK)
+        ranks = run_ranks(
+            demo_rank, ep, recipe, steps, list(policies), seed, queue, manual_gc, timeout_s=timeout_s, threads=THREADS_PER_RANK
+        )
     finally:
         if queue is not None:
             queue.put(None)

@@ -69,11 +69,13 @@ _SOURCE = "nanotron config"
 @dataclass
 class BagualuArgs:
     """The `bagualu:` section. Disabled, it is inert (the run is stock nanotron) but for
-    `metrics_path`."""
+    `metrics_path` and `manual_gc`."""
 
     enabled: bool = False
     dual_batch: bool = False  # the recipe's pipeline.dual_batch: fused steady points (§V-B)
     metrics_path: str | None = None
+    manual_gc: bool = True  # the launcher's collector frozen after set-up, every rank collecting at each iteration's end
+
     recipe: str | None = None
     hardware: str | dict | None = None
     model: dict | None = None

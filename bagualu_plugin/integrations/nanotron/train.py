@@ -28,6 +28,10 @@ The loop:
 - `bagualu.spikes` (expert parallelism only): every rank skews each micro-batch's routing onto
   expert-parallel rank 0's experts as the section's seeded schedule says (`spikes.imbalance_schedule`).
 
+`bagualu.manual_gc` (on by default, also with the section disabled): the garbage collector is
+frozen after set-up and collects at each iteration's end on every rank at once
+(`collector.ManualCollector`), so no rank's collection stalls the others mid-iteration.
+
 `bagualu.metrics_path`: rank 0 writes one JSON line per iteration, `{"iteration", "loss",
 "peak_device_bytes"}`: the loss is the mean over data replicas of the sum of the last pipeline
 rank's micro-batch losses (nanotron divides each by the micro-batch count), the peaks the
@@ -55,6 +59,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ...adapters import Adapter
 from ...adapters.costs import model_cost
 from ...adapters.gate import RoutingSkew
+from ...collector import ManualCollector
 from ...config import Recipe, RecipeError, Spikes
 from ...costmodel.pipeline import stage_layers
 from ...parallel.checkpoint import expert_shards, load_pretrained
@@ -247,31 +252,33 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
         Path(metrics).parent.mkdir(parents=True, exist_ok=True)
         out = open(metrics, "w")  # noqa: SIM115 - open for the whole run
     try:
-        for iteration in range(tokens.train_steps):
-            batch = [
-                {
-                    "input_ids": x.to(device) if pp_rank == 0 else TensorPointer(0),
-                    "labels": x.to(device) if pp_rank == last else TensorPointer(last),
-                }
-                for x in next(batches)
-            ]
-            ledger.reset_peak()
-            with ledger.track() if prov is None else contextlib.nullcontext():  # the Provisioner tracks its own
-                outputs = engine.train_batch_iter(model=stages, pg=pc.pp_pg, batch=batch, nb_microbatches=m, grad_accumulator=None)
-            sync()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        with ManualCollector(config.bagualu is None or config.bagualu.manual_gc) as collector:
+            for iteration in range(tokens.train_steps):
+                batch = [
+                    {
+                        "input_ids": x.to(device) if pp_rank == 0 else TensorPointer(0),
+                        "labels": x.to(device) if pp_rank == last else TensorPointer(last),
+                    }
+                    for x in next(batches)
+                ]
+                ledger.reset_peak()
+                with ledger.track() if prov is None else contextlib.nullcontext():  # the Provisioner tracks its own
+                    outputs = engine.train_batch_iter(model=stages, pg=pc.pp_pg, batch=batch, nb_microbatches=m, grad_accumulator=None)
+                sync()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
 
-            loss = torch.zeros((), dtype=torch.float64, device=device)
-            if pp_rank == last:
-                loss += sum(o["loss"].detach() for o in outputs)  # the fp32 sum, exact in float64
-            dist.all_reduce(loss)
-            peaks = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world)]
-            dist.all_gather(peaks, torch.tensor(ledger.peak_device_bytes, dtype=torch.int64, device=device))
-            if out is not None:
-                line = {"iteration": iteration, "loss": loss.item() / sync.replicas, "peak_device_bytes": [int(p) for p in peaks]}
-                out.write(json.dumps(line) + "\n")
-                out.flush()
+                loss = torch.zeros((), dtype=torch.float64, device=device)
+                if pp_rank == last:
+                    loss += sum(o["loss"].detach() for o in outputs)  # the fp32 sum, exact in float64
+                dist.all_reduce(loss)
+                peaks = [torch.zeros((), dtype=torch.int64, device=device) for _ in range(world)]
+                dist.all_gather(peaks, torch.tensor(ledger.peak_device_bytes, dtype=torch.int64, device=device))
+                if out is not None:
+                    line = {"iteration": iteration, "loss": loss.item() / sync.replicas, "peak_device_bytes": [int(p) for p in peaks]}
+                    out.write(json.dumps(line) + "\n")
+                    out.flush()
+                collector.step()
     finally:
         if out is not None:
             out.close()
