@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from datetime import timedelta
@@ -184,3 +185,9 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # Everything is written and every process passed the barrier: end here, without the
+    # interpreter's teardown of torch's C++ threads, which after gloo collectives now and then
+    # aborts or hangs (seen under a loaded machine; nanotron's launcher ends the same way).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

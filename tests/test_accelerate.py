@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
@@ -72,20 +73,26 @@ def _run(workdir: Path, name: str, recipe: dict, steps: int, processes: int, *fl
     else:
         cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(EXAMPLE), *args]
-    # faulthandler on: a launch past its timeout is aborted (SIGABRT to its whole session), and
-    # every process's Python stacks end up in the failure message
+    # faulthandler on: a launch past its timeout has every process of it (torch elastic starts each
+    # worker in a session of its own) aborted, and their Python stacks end up in the failure message
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-    launch = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = launch.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGABRT)
+    log = workdir / f"{name}.log"
+    with log.open("w") as sink:
+        launch = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=sink, text=True)
         try:
-            out, err = launch.communicate(timeout=20)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launch.pid, signal.SIGKILL)
-        pytest.fail(f"{name}: the launch ran past 300 s; its processes' stacks:\n{err[-12000:]}")
+            out, _ = launch.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            family = psutil.Process(launch.pid).children(recursive=True)
+            for process in family:
+                with contextlib.suppress(psutil.Error):
+                    process.send_signal(signal.SIGABRT)
+            psutil.wait_procs(family, timeout=10)
+            for process in [*family, launch]:
+                with contextlib.suppress(psutil.Error, ProcessLookupError):
+                    process.kill()
+            launch.wait()
+            pytest.fail(f"{name}: the launch ran past 300 s; its processes' stacks:\n{log.read_text()[-12000:]}")
+    err = log.read_text()
     assert launch.returncode == 0, err[-4000:]
     return [json.loads(line) for line in (workdir / name / "metrics.jsonl").read_text().splitlines()]
 

@@ -1,0 +1,139 @@
+"""The plugin's tax: what `bgl.apply` costs a job that never needs it. At an ample capacity
+(nothing to mitigate: every plan is empty) each model trains the same iterations twice over,
+alternating iteration by iteration between two copies of it (same weights, same batches): one
+with the plugin installed (the Provisioner's budgets, plans, gate monitor, saved-tensor hooks and
+Ledger), one plain. Each iteration is timed alone, the garbage collector frozen after set-up and
+collecting between iterations (`collector.ManualCollector`), and the ratio of the medians says
+what the plugin costs; the planner's share is its decision time over the plugin run's time.
+
+Models: the demo's (the built-in `demo` recipe's tiny GLM-4-MoE, on its 4 expert-parallel gloo
+processes, pipeline rank 0 of 4, each iteration the slowest rank's) and a larger Qwen3-MoE on one
+process (hidden 512, 8 layers, 16 experts top-4, 4 micro-batches of 2 x 256 tokens), where
+compute dominates as it does on real models.
+
+    python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~4 min on 2 CPU cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import bagualu_plugin as bgl
+from bagualu_plugin.adapters import tiny_model
+from bagualu_plugin.collector import ManualCollector
+from bagualu_plugin.costmodel import ModelDims
+from bagualu_plugin.demo.model import rank_batches, rank_model
+from bagualu_plugin.parallel.launch import run_ranks
+from bagualu_plugin.report import table
+from bagualu_plugin.runtime.driver import run_iteration
+from bagualu_plugin.stage import Stage
+
+AMPLE = 100  # capacity: this many unmitigated micro-batches
+
+
+def _alternate(make, batches, recipe, iterations: int, barrier=lambda: None, slowest=lambda t: t) -> dict:
+    """`iterations` (after one warm-up each) of the plugin's copy and the plain one, alternating."""
+    plain, ours = make(), make()
+    ours.load_state_dict(plain.state_dict())
+    prov = bgl.apply(ours, recipe)
+    schedule = prov.stage.schedule
+    times = {"plugin": [], "plain": []}
+    try:
+        with ManualCollector() as collector:
+            for it in range(iterations + 1):
+                for name, model in (("plugin", ours), ("plain", plain)):
+                    barrier()
+                    start = time.perf_counter()
+                    run_iteration(model, batches, schedule, prov if model is ours else None)
+                    elapsed = slowest(time.perf_counter() - start)
+                    model.zero_grad(set_to_none=True)
+                    collector.step()
+                    if it:
+                        times[name].append(elapsed)
+                if it == 0:
+                    planner_s, forwards = prov.planner_s, prov.forwards
+        mitigated = sum(bool(e.plan) or bool(e.escalations) for e in prov.events)
+        planner = (prov.planner_s - planner_s) / (prov.forwards - forwards)  # after the warm-up
+    finally:
+        prov.remove()
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    return {"times": times, "planner_s_per_micro_batch": planner, "mitigated_micro_batches": mitigated,
+            "micro_batches": len(batches), "tokens": sum(ids.numel() for ids in batches) * ranks}
+
+
+def _ample(recipe, cost) -> object:
+    keep = cost.activation_bytes(recipe.batch.tokens, seq_len=recipe.batch.seq_len)
+    hardware = recipe.hardware.model_copy(update={"capacity_bytes": AMPLE * keep})
+    return recipe.model_copy(update={"hardware": hardware})
+
+
+def _demo_rank(rank: int, size: int, iterations: int) -> dict:
+    torch.set_num_threads(1)
+    recipe = bgl.load_recipe("demo")
+    recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"ep_rank": rank})})
+    recipe = _ample(recipe, Stage.of(recipe).cost)
+
+    def slowest(t: float) -> float:
+        x = torch.tensor(t, dtype=torch.float64)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return float(x)
+
+    return _alternate(lambda: rank_model(recipe.model), rank_batches(recipe, rank), recipe, iterations, dist.barrier, slowest)
+
+
+def _larger(iterations: int) -> dict:
+    make = lambda: tiny_model(  # noqa: E731
+        "qwen3_moe", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        intermediate_size=1024, moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4, vocab_size=1024,
+    )
+    model = make()
+    batch, seq, m = 2, 256, 4
+    recipe = bgl.Recipe.from_dict({
+        "hardware": {"preset": "cpu", "capacity_bytes": 1},
+        "model": ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa").model_dump(),
+        "pipeline": {"pp": 4, "rank": 0, "micro_batches": m},
+        "batch": {"seq_len": seq, "micro_batch_size": batch},
+        "budget": {"non_activation_bytes": 0},
+    })
+    recipe = _ample(recipe, Stage.of(recipe).cost)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, model.config.vocab_size, (batch, seq), generator=g) for _ in range(m)]
+    return _alternate(make, batches, recipe, iterations)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=8, help="measured iterations of each copy (after one warm-up)")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON")
+    args = parser.parse_args()
+    if args.iterations < 1:
+        parser.error(f"--iterations must be >= 1, got {args.iterations}")
+    demo = bgl.load_recipe("demo")
+    runs = {
+        f"demo GLM-4-MoE, {demo.parallel.ep} EP ranks": run_ranks(_demo_rank, demo.parallel.ep, args.iterations, timeout_s=900)[0],
+        "Qwen3-MoE hidden 512 x 8 layers, 512 tokens/mb": _larger(args.iterations),
+    }
+    rows, out = [], []
+    for name, r in runs.items():
+        plugin, plain = (statistics.median(r["times"][k]) for k in ("plugin", "plain"))
+        share = r["planner_s_per_micro_batch"] * r["micro_batches"] / plugin
+        ratios = [b / a for a, b in zip(r["times"]["plugin"], r["times"]["plain"])]
+        out.append({"model": name, "tokens_per_s_plugin": r["tokens"] / plugin, "tokens_per_s_plain": r["tokens"] / plain,
+                    "ratio": plain / plugin, "planner_share": share, "mitigated_micro_batches": r["mitigated_micro_batches"]})
+        rows.append([name, f"{plugin:.3f}", f"{plain:.3f}", f"{plain / plugin:.3f}x", f"{min(ratios):.2f}-{max(ratios):.2f}x",
+                     f"{100 * share:.2f}%", r["mitigated_micro_batches"]])
+    print(table(["model", "s/iteration, plugin", "s/iteration, plain", "plugin / plain tokens/s",
+                 "per-iteration spread", "planner share", "mitigated mbs"], rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
