@@ -11,7 +11,7 @@ processes, pipeline rank 0 of 4, each iteration the slowest rank's) and a larger
 process (hidden 512, 8 layers, 16 experts top-4, 4 micro-batches of 2 x 256 tokens), where
 compute dominates as it does on real models.
 
-    python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~4 min on 2 CPU cores)
+    python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~1 min on 2 CPU cores)
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import bagualu_plugin as bgl
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.collector import ManualCollector
 from bagualu_plugin.costmodel import ModelDims
+from bagualu_plugin.demo.collectives import max_over_ranks
 from bagualu_plugin.demo.model import rank_batches, rank_model
 from bagualu_plugin.parallel.launch import run_ranks
 from bagualu_plugin.report import table
@@ -79,12 +80,7 @@ def _demo_rank(rank: int, size: int, iterations: int) -> dict:
     recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"ep_rank": rank})})
     recipe = _ample(recipe, Stage.of(recipe).cost)
 
-    def slowest(t: float) -> float:
-        x = torch.tensor(t, dtype=torch.float64)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX)
-        return float(x)
-
-    return _alternate(lambda: rank_model(recipe.model), rank_batches(recipe, rank), recipe, iterations, dist.barrier, slowest)
+    return _alternate(lambda: rank_model(recipe.model), rank_batches(recipe, rank), recipe, iterations, dist.barrier, max_over_ranks)
 
 
 def _larger(iterations: int) -> dict:

@@ -75,7 +75,6 @@ class BagualuArgs:
     dual_batch: bool = False  # the recipe's pipeline.dual_batch: fused steady points (§V-B)
     metrics_path: str | None = None
     manual_gc: bool = True  # the launcher's collector frozen after set-up, every rank collecting at each iteration's end
-
     recipe: str | None = None
     hardware: str | dict | None = None
     model: dict | None = None
