@@ -9,7 +9,9 @@ and their routing weights, uneven all_to_all_single), the received rows multipli
 (no expert compute: this measures communication), `_Combine.apply` (the reverse all-to-all,
 un-permute, sum over top-k), then backward through both with a random output gradient. A barrier
 precedes each timed region; each rank times its own regions, one warm-up pass, then the median of
---repeats.
+--repeats. Dispatch issues its two exchanges (the rows, their routing weights) side by side, both
+before it waits on either; the last table times the two alone, issued that way and one after the
+other, to show what issuing them together hides.
 
 A row's times are the slowest rank's (the layer waits for it; each column's own maximum, so the
 phases need not add up to the total). "MB sent/rank" is what a rank sends to the other ranks
@@ -49,6 +51,7 @@ from bagualu_plugin.parallel.launch import run_ranks
 from bagualu_plugin.report import table
 
 PHASES = ("route", "dispatch fwd", "combine fwd", "bwd")
+PAIRED = ("one after another", "side by side")  # dispatch's rows and weights exchanges, as `_all_to_all` issues them
 MB = 1e6
 
 
@@ -64,14 +67,14 @@ def _routing(tokens: int, num_experts: int, top_k: int, size: int, skew: float, 
 
 def _measure(eg, tokens: int, hidden: int, top_k: int, skew: float, repeats: int, warmup: int, seed: int) -> dict:
     """One configuration on this rank: per-repeat times of each phase, and the splits."""
-    from bagualu_plugin.parallel.expert import _Combine, _Dispatch
+    from bagualu_plugin.parallel.expert import _all_to_all, _Combine, _Dispatch
 
     g = torch.Generator().manual_seed(seed)
     index, weights = _routing(tokens, eg.num_experts, top_k, eg.size, skew, g)
     states = torch.randn(tokens, hidden, generator=g)
     grad = torch.randn(tokens, hidden, generator=g)
     stand_in = types.SimpleNamespace()  # no gate attribute: route() fires no gate
-    times = {phase: [] for phase in (*PHASES, "total")}
+    times = {phase: [] for phase in (*PHASES, "total", *PAIRED)}
     for step in range(warmup + repeats):
         x, w = states.clone().requires_grad_(), weights.clone().requires_grad_()
         spent = []
@@ -94,8 +97,17 @@ def _measure(eg, tokens: int, hidden: int, top_k: int, skew: float, repeats: int
         spent.append(time.perf_counter() - start)
         if x.grad is None or w.grad is None or not torch.isfinite(x.grad).all():
             raise RuntimeError("backward reached neither the rows nor the weights")
+        # the dispatch's two exchanges alone, as its forward issues them (side by side) and one
+        # after the other: what issuing them together hides of the smaller one
+        exchanges = ((rows.detach(), route.sent, route.got), (received_weights.detach(), route.sent, route.got))
+        for groups in ([exchanges[:1], exchanges[1:]], [exchanges]):  # PAIRED's order
+            dist.barrier(eg.group)
+            start = time.perf_counter()
+            for batch in groups:
+                _all_to_all(eg.group, *batch)
+            spent.append(time.perf_counter() - start)
         if step >= warmup:
-            for phase, s in zip((*PHASES, "total"), (*spent, sum(spent))):
+            for phase, s in zip((*PHASES, "total", *PAIRED), (*spent[:4], sum(spent[:4]), *spent[4:])):
                 times[phase].append(s)
     rank = eg.rank
     off_sent, off_got = sum(route.sent) - route.sent[rank], sum(route.got) - route.got[rank]
@@ -134,7 +146,7 @@ def _run(size: int, cases: list, args: dict, deadline: float) -> list[list[dict]
 
 
 def _row(size: int, tokens: int, skew: float, ranks: list[dict], args: dict) -> dict:
-    slowest = {phase: max(r["seconds"][phase] for r in ranks) for phase in (*PHASES, "total")}
+    slowest = {phase: max(r["seconds"][phase] for r in ranks) for phase in (*PHASES, "total", *PAIRED)}
     pairs = tokens * size * args["top_k"]
     return {
         "ep": size,
@@ -211,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
             hot.append([r["ep"], r["tokens_per_rank"], routing(r), f"{r['rank0_share']:.2f}", *cells])
         print(table(["ep", "tokens/rank", "routing", "rank 0 share", "MB received", "dispatch fwd", "combine fwd",
                      "dispatch+combine bwd", "total"], hot))
+    print("\ndispatch's rows and weights exchanges alone, slowest rank, ms\n")
+    print(table(["ep", "tokens/rank", "routing", *PAIRED, "hidden"], [
+        [r["ep"], r["tokens_per_rank"], routing(r), *(_ms(r["seconds"][p]) for p in PAIRED),
+         f"{1 - r['seconds'][PAIRED[1]] / r['seconds'][PAIRED[0]]:.0%}"]
+        for r in rows
+    ]))
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "seconds": elapsed, "rows": rows}, indent=1))
     return 0

@@ -3,7 +3,7 @@ under `python` or `accelerate launch` (DDP over the processes; expert parallelis
 recipe's `parallel.ep` equals their number).
 
     accelerate launch --multi_gpu --num_processes 2 examples/finetune_moe.py \\
-        --model CKPT --steps 20 --output-dir out [--capacity 40GiB] [--recipe R] [--data corpus.txt] [--no-adaptive]
+        --model CKPT --steps 20 --output-dir out [--capacity 40GiB] [--recipe R] [--data corpus.txt] [--no-adaptive | --oracle]
 
 The recipe is derived from the model, the device and the accelerator (`bgl.derive_recipe`); a
 `--recipe` (a YAML file of any of its sections, or a built-in name) overrides what it gives, and
@@ -11,7 +11,11 @@ its `pipeline.micro_batches` and `batch` win over `--micro-batches`, `--batch-si
 `--seq-len`. On CPU `--capacity` (or the recipe's `hardware.capacity_bytes`) is the simulated
 device memory the plugin plans for. The loop has no plugin code in it: the plugin finds each
 micro-batch on the model. `--no-adaptive` is the same run without the plugin: its activations are
-counted, not limited, so the two runs compare step by step. The garbage collector is frozen
+counted, not limited, so the two runs compare step by step: the unbounded run, the fastest any
+policy can be. `--oracle` is the limit of the adaptive plans instead: before each optimizer step
+(untimed) a forward without gradients records every micro-batch's routing, and each is then
+planned by Algorithm 2 for its real routing rather than for the normal band (`Provisioner.routing`,
+`Provisioner.foresee`). The garbage collector is frozen
 after set-up and every process collects at the end of each optimizer step (`--no-manual-gc`:
 Python's own collector), so no process's collection stalls the others inside a step.
 
@@ -26,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 from datetime import timedelta
@@ -44,6 +47,7 @@ from bagualu_plugin.collector import ManualCollector
 from bagualu_plugin.config import RecipeError, read_recipe
 from bagualu_plugin.integrations.accelerate import apply, prepare_model
 from bagualu_plugin.parallel import save_expert_parallel
+from bagualu_plugin.parallel.launch import end_process
 from bagualu_plugin.report import plot_steps
 from bagualu_plugin.runtime.ledger import Ledger
 from bagualu_plugin.stage import Stage
@@ -60,7 +64,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, required=True, help="optimizer steps")
     parser.add_argument("--output-dir", required=True, type=Path)
     parser.add_argument("--data", help="a text file (one document per line) or a saved datasets directory; default: seeded random tokens")
-    parser.add_argument("--no-adaptive", action="store_true", help="the same run without the plugin")
+    policy = parser.add_mutually_exclusive_group()
+    policy.add_argument("--no-adaptive", action="store_true", help="the same run without the plugin (memory counted, not limited)")
+    policy.add_argument("--oracle", action="store_true", help="plan each micro-batch for its routing, recorded by an untimed first pass")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -134,12 +140,15 @@ def main(argv: list[str] | None = None) -> None:
     metrics, steps = (out / "metrics.jsonl").open("w") if main_process else None, []
     try:
         with ManualCollector(args.manual_gc) as collector:
-            desc = "fine-tuning" + (" (no plugin)" if args.no_adaptive else "")
+            desc = "fine-tuning" + (" (no plugin)" if args.no_adaptive else " (oracle)" if args.oracle else "")
             for step in tqdm(range(args.steps), desc=desc, disable=not main_process):
+                micro_batches = [ids.to(accelerator.device) for ids in next(batches)]
+                if args.oracle:  # every process at once: under expert parallelism the pass dispatches
+                    for mb, ids in enumerate(micro_batches):
+                        prov.foresee(mb, ids.numel(), ids.shape[-1], prov.routing(accelerator.unwrap_model(model), input_ids=ids))
                 ledger.reset_peak()
                 start, losses = time.perf_counter(), []
-                for ids in next(batches):
-                    ids = ids.to(accelerator.device)
+                for ids in micro_batches:
                     with accelerator.accumulate(model), contextlib.nullcontext() if prov else ledger.track():
                         loss = model(input_ids=ids, labels=ids).loss
                         accelerator.backward(loss)
@@ -174,20 +183,14 @@ def main(argv: list[str] | None = None) -> None:
     if main_process:
         with contextlib.suppress(data.DataError):  # a checkpoint without a tokenizer: the model alone
             data.load_tokenizer(args.model).save_pretrained(out / "model")
-        title = f"{Path(args.model).name}: {'no plugin' if args.no_adaptive else 'adaptive'}, {n} process(es), {m} x {mbs} x {seq} tokens"
+        policy = "no plugin" if args.no_adaptive else "oracle" if args.oracle else "adaptive"
+        title = f"{Path(args.model).name}: {policy}, {n} process(es), {m} x {mbs} x {seq} tokens"
         plot_steps(steps, out / "memory.png", title)
         last = steps[-1]
         print(f"{args.steps} steps, loss {steps[0]['loss']:.4f} -> {last['loss']:.4f}, peak {max(last['peak_device_bytes'])} "
               f"of {last['capacity_bytes']} bytes; wrote {out}")
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_process(accelerator.wait_for_everyone)  # no process leaves the group while another still saves
 
 
 if __name__ == "__main__":
     main()
-    # Everything is written and every process passed the barrier: end here, without the
-    # interpreter's teardown of torch's C++ threads, which after gloo collectives now and then
-    # aborts or hangs (seen under a loaded machine; nanotron's launcher ends the same way).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

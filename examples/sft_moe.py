@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local checkpoint and a local dataset: nothing from a hub
@@ -32,6 +31,7 @@ from bagualu_plugin import data  # noqa: E402
 from bagualu_plugin.integrations.accelerate import shard_experts_for_ddp  # noqa: E402
 from bagualu_plugin.integrations.transformers import BagualuCallback, UnplannedCallback  # noqa: E402
 from bagualu_plugin.parallel import save_expert_parallel  # noqa: E402
+from bagualu_plugin.parallel.launch import end_process  # noqa: E402
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -117,15 +117,8 @@ def main(argv: list[str] | None = None) -> None:
             last = trainer.state.log_history[-2]  # the last step's record (the final one is the run's summary)
             print(f"peak {last['bagualu/peak_device_bytes']} of {last['bagualu/capacity_bytes']} bytes, "
                   f"{len(events)} micro-batches planned; wrote {out}")
-    trainer.accelerator.wait_for_everyone()  # no process leaves the group while another still saves
-    trainer.accelerator.end_training()
+    end_process(trainer.accelerator.wait_for_everyone)  # no process leaves the group while another still saves
 
 
 if __name__ == "__main__":
     main()
-    # Everything is written and every process passed the barrier: end here, without the
-    # interpreter's teardown of torch's C++ threads, which after gloo collectives now and then
-    # hangs (seen under a loaded machine; finetune_moe.py and nanotron's launcher end the same way).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -4,7 +4,8 @@
   checkpoint and a local text file, with the plugin under a capacity that forces plans and without
   it (`--no-adaptive`): the losses are equal step for step, bit for bit, and fall; the plugin keeps
   every process under the capacity the stock run exceeds; the saved model reloads. The same with
-  expert parallelism over the two processes, whose losses also match the data-parallel run's.
+  expert parallelism over the two processes, whose losses also match the data-parallel run's, and
+  with each micro-batch planned for its recorded routing (`--oracle`).
 - A convergence run in the style of Liger-Kernel's mini-model tests: 30 steps in one process with
   and without the plugin, the same losses.
 - Two owners of recompute, a second install and recipes that do not fit the accelerator are
@@ -133,6 +134,11 @@ def test_expert_parallel_over_two_processes(ddp, workdir):
     plugin = _run(workdir, "ep", _recipe(dp=2, ep=2), 6, 2)
     stock = _run(workdir, "ep-stock", _recipe(dp=2, ep=2), 6, 2, "--no-adaptive")
     _same_training(plugin, stock, processes=2)
+    # the oracle: each micro-batch planned for the routing an untimed pass recorded, on both processes at once
+    oracle = _run(workdir, "ep-oracle", _recipe(dp=2, ep=2), 6, 2, "--oracle")
+    _same_training(oracle, stock, processes=2)
+    foreseen = [json.loads(line) for line in (workdir / "ep-oracle" / "telemetry.jsonl").read_text().splitlines()]
+    assert len(foreseen) == 6 * M and all(not e["escalations"] and not e["deferred"] for e in foreseen)  # nothing left to the gates
     for ours, data_parallel in zip(plugin, ddp[0]):
         assert ours["loss"] == pytest.approx(data_parallel["loss"], rel=1e-5)
     from transformers import AutoModelForCausalLM

@@ -111,10 +111,17 @@ class _Route:
     received: list[int]
 
 
-def _all_to_all(rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
-    return out
+def _all_to_all(group, *exchanges: tuple[torch.Tensor, list[int], list[int]]) -> list[torch.Tensor]:
+    """Each (rows, out_splits, in_splits) exchanged over `group`, every one issued before any is
+    waited on: the rows and their routing weights travel side by side (gloo's worker threads, or
+    NCCL's stream), not one after the other. Every rank issues them in the same order."""
+    outs, works = [], []
+    for rows, out_splits, in_splits in exchanges:
+        outs.append(rows.new_empty((sum(out_splits), *rows.shape[1:])))
+        works.append(dist.all_to_all_single(outs[-1], rows.contiguous(), out_splits, in_splits, group=group, async_op=True))
+    for work in works:
+        work.wait()
+    return outs
 
 
 def _sorted_pairs(top_k_index: torch.Tensor) -> torch.Tensor:
@@ -129,8 +136,9 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, hidden_states, top_k_weights, top_k_index, route: _Route):
         perm = _sorted_pairs(top_k_index)
         k = top_k_index.size(-1)
-        rows = _all_to_all(hidden_states[perm // k], route.got, route.sent, route.group)
-        weights = _all_to_all(top_k_weights.reshape(-1)[perm], route.got, route.sent, route.group)
+        rows, weights = _all_to_all(
+            route.group, (hidden_states[perm // k], route.got, route.sent), (top_k_weights.reshape(-1)[perm], route.got, route.sent)
+        )
         ctx.save_for_backward(top_k_index)
         ctx.route, ctx.tokens_shape, ctx.weights_shape = route, hidden_states.shape, top_k_weights.shape
         return rows, weights
@@ -140,8 +148,7 @@ class _Dispatch(torch.autograd.Function):
         (top_k_index,) = ctx.saved_tensors
         route, perm = ctx.route, _sorted_pairs(top_k_index)
         k = top_k_index.size(-1)
-        grad_rows = _all_to_all(grad_rows, route.sent, route.got, route.group)
-        grad_weights = _all_to_all(grad_weights, route.sent, route.got, route.group)
+        grad_rows, grad_weights = _all_to_all(route.group, (grad_rows, route.sent, route.got), (grad_weights, route.sent, route.got))
         # the scatter-adds autograd makes for the one-process gathers hidden[perm // k], weights[perm]
         grad_hidden = grad_rows.new_zeros(ctx.tokens_shape).index_put_((perm // k,), grad_rows, accumulate=True)
         grad_w = grad_weights.new_zeros(ctx.weights_shape).view(-1).index_put_((perm,), grad_weights, accumulate=True)
@@ -153,7 +160,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, top_k_index, route: _Route):
-        back = _all_to_all(out, route.sent, route.got, route.group)
+        (back,) = _all_to_all(route.group, (out, route.sent, route.got))
         perm = _sorted_pairs(top_k_index)
         pairs = back.new_empty(back.shape).index_put_((perm,), back)
         ctx.save_for_backward(top_k_index)
@@ -165,7 +172,8 @@ class _Combine(torch.autograd.Function):
         (top_k_index,) = ctx.saved_tensors
         route, perm = ctx.route, _sorted_pairs(top_k_index)
         # each pair's gradient is its token's (the sum's backward): one gather by token
-        return _all_to_all(grad[perm // top_k_index.size(-1)], route.got, route.sent, route.group), None, None
+        (grad_out,) = _all_to_all(route.group, (grad[perm // top_k_index.size(-1)], route.got, route.sent))
+        return grad_out, None, None
 
 
 def any_rank(asks: bool, group: ExpertGroup, device: torch.device) -> bool:

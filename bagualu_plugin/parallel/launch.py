@@ -16,10 +16,12 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,6 +40,19 @@ def context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def end_process(barrier: Callable[[], object]) -> NoReturn:
+    """End a launched training process (torchrun, `accelerate launch`) once `barrier`, the last
+    collective of every process, returns and all is written: without the teardown of the process
+    group, which joins gloo's worker threads while holding the GIL. A worker still releasing a
+    finished collective's tensors waits for the GIL, so the process hangs (seen now and then: the
+    main thread in `~ProcessGroupGloo` joining, a worker in `~AsyncGatherWork`), or torch's C++
+    threads abort at the interpreter's exit. Nothing is left to do, so nothing is torn down."""
+    barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:

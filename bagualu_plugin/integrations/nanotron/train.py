@@ -47,7 +47,6 @@ import argparse
 import contextlib
 import json
 import os
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,6 +63,7 @@ from ...config import Recipe, RecipeError, Spikes
 from ...costmodel.pipeline import stage_layers
 from ...parallel.checkpoint import expert_shards, load_pretrained
 from ...parallel.gradients import all_reduce_gradients
+from ...parallel.launch import end_process
 from ...runtime.ledger import Ledger
 from ...runtime.provisioner import apply
 from ...spikes import imbalance_schedule, skew_fraction
@@ -303,14 +303,8 @@ def main(argv: list[str] | None = None) -> None:
     timeout = timedelta(seconds=args.timeout_s)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     train(config, device, timeout)
-    dist.barrier()  # every rank is done: its metrics written, its last P2P send received
+    end_process(dist.barrier)  # every rank is done: its metrics written, its last P2P send received
 
 
 if __name__ == "__main__":
     main()
-    # The interpreter's teardown of torch's C++ threads aborts now and then after gloo P2P
-    # ("terminate called without an active exception", about one run in ten on CPU), failing a
-    # finished run; nothing is left to do, so the process ends here, without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
