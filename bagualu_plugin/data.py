@@ -98,7 +98,9 @@ def _dealt(sequences: torch.Tensor, seed: int, mbs: int, m: int, replica: int, r
             order = torch.cat([order, torch.randperm(len(sequences), generator=g)])
         batch, order = order[: replicas * share], order[replicas * share :]
         mine = sequences[batch[replica * share : (replica + 1) * share]]
-        yield list(mine.view(m, mbs, -1))
+        # each micro-batch its own storage, as a device copy's is: views of the step's batch would
+        # put the whole batch in every micro-batch's saved tensors (the embedding's and the loss's ids)
+        yield [ids.clone() for ids in mine.view(m, mbs, -1)]
 
 
 def synthetic(seed: int, vocab_size: int, shape: tuple[int, int], m: int, replica: int, replicas: int) -> Iterator[list[torch.Tensor]]:

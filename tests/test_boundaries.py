@@ -119,6 +119,23 @@ def _between(model, prov=None, packs=None):
     return run
 
 
+def test_a_first_plan_that_recomputes_the_loss_is_in_force_in_its_own_forward():
+    """The micro-batch's plan is set before the runtime's hooks read it: the loss runner arms for
+    a plan that recomputes the LM head's loss even when the plan before it did not (here the
+    first, planned for the routing a first pass recorded), so the logits are not kept."""
+    model = _model()
+    ids = _batches()[0][0]
+    prov = bgl.apply(model, {"hardware": {"capacity_bytes": 800_000}, "budget": {"non_activation_bytes": 0}, "strategies": EXACT,
+                             "batch": {"seq_len": SEQ, "micro_batch_size": BATCH}, "pipeline": {"micro_batches": 1}})
+    try:
+        prov.foresee(0, ids.numel(), SEQ, prov.routing(model, input_ids=ids))
+        model(input_ids=ids, labels=ids).loss.backward()
+        event = prov.events[-1]
+        assert "4.loss" in event.plan and event.actual <= event.predicted  # 512 B under: the loss's label padding
+    finally:
+        prov.remove()
+
+
 def test_evaluation_generate_and_forwards_without_backward_leave_no_trace():
     model = _model()
     prov = bgl.apply(model, {"hardware": {"capacity_bytes": _capacity(model)}, "strategies": EXACT})

@@ -40,7 +40,9 @@ class Boundaries:
         self._awaited: object = None  # the token of the micro-batch whose backward is awaited
         self._explicit = False  # inside an explicit() block
         self._handles = [
-            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            # first of the model's pre-hooks: the micro-batch's plan is set before the runtime's own
+            # hooks read it (the loss runner arms for a plan that recomputes the LM head's loss)
+            model.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
             provisioner.runtime.adapter.decoder.register_forward_pre_hook(self._autocast),  # inside an autocast wrapper
         ]
