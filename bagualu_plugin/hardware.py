@@ -2,10 +2,14 @@
 
 The cost model (paper §IV) turns these numbers into operator times and into the knee points
 (S_i, B_i) of each mitigation strategy's roofline: kernel launch overhead and HBM bandwidth bound
-recompute and FP8 casts, copy launch overhead and host-link bandwidth bound offload.
+recompute and FP8 casts, copy launch overhead and host-link bandwidth bound offload. The links'
+small-message latencies price the one collective whose bytes are negligible: the gates' agreement
+on a collective escalation under expert parallelism (§V-A, `all_reduce_s`).
 """
 
 from __future__ import annotations
+
+import math
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,7 +35,24 @@ class HardwareSpec(BaseModel):
         default=None, gt=0, description="bytes read + written per second by the FP8 cast kernels; None: hbm_bandwidth"
     )
     cast_launch_s: Seconds | None = Field(default=None, gt=0, description="fixed cost of one cast; None: kernel_launch_s")
+    # Small-message latencies: the paper gives none. The defaults are NCCL's own tuning model
+    # (`ncclTopoTuneModel`, src/graph/tuning.cc): one hop of its tree all-reduce with the LL
+    # protocol costs 0.6 us over NVLink and 5 us over the network.
+    intra_node_latency_s: Seconds = Field(default=0.6e-6, gt=0, description="one hop of a small message between devices of a node")
+    inter_node_latency_s: Seconds = Field(default=5e-6, gt=0, description="one hop of a small message between nodes")
     simulated: bool = Field(default=False, description="capacity is enforced by the Ledger, not by a device")
+
+    def all_reduce_s(self, group: int) -> float:
+        """Seconds of one all-reduce of a few bytes over `group` devices, consecutive on nodes of
+        `devices_per_node` (the expert-parallel group, as `costmodel.analytic` places it for the
+        all-to-alls): NCCL's latency model of its tree all-reduce, a chain through each node's
+        devices and a tree over the nodes, up and back down, after one kernel launch (standing for
+        NCCL's base latency, 6.8 us). The bytes cost nothing next to that."""
+        if group <= 1:
+            return 0.0
+        per_node, nodes = min(group, self.devices_per_node), -(-group // self.devices_per_node)
+        hops = (per_node - 1) * self.intra_node_latency_s + math.ceil(math.log2(nodes)) * self.inter_node_latency_s
+        return self.kernel_launch_s + 2 * hops
 
 
 _GIB, _MIB = 2**30, 2**20
@@ -41,7 +62,8 @@ PRESETS: dict[str, HardwareSpec] = {
     for spec in (
         # §VI-A: 480 TFLOP/s BF16, 64 GB HBM, 8 per node, 400 GB/s intra-node, 4x400 Gb/s per node.
         # Host link: Fig. 6 offloads 96 MB in 2.0 ms each way (48 GB/s). HBM bandwidth is not
-        # given in the paper; 1.8 TB/s is an assumption of the HBM2e class at 64 GB.
+        # given in the paper; 1.8 TB/s is an assumption of the HBM2e class at 64 GB, and so are
+        # the small-message latencies (the defaults, NCCL's).
         HardwareSpec(
             name="bagualu2",
             peak_flops=480e12,

@@ -116,6 +116,31 @@ def test_memoised_costs_are_the_cost_models():
         assert any(costs.under(Plan(p)).at(imbalance).reload_bytes > 0 for p in plans)
 
 
+def test_bagualu_forwards_pay_the_gates_agreement():
+    """Under expert parallelism every MoE gate with a collective escalation asks the group whether
+    any rank escalates (one small all-reduce, the Provisioner's `any_rank`), whatever it decides:
+    each of BaGuaLu's chunk forwards pays one per MoE layer, after the fused points' overlap; its
+    backwards and the static systems pay nothing. EP 64 on the preset's nodes of 8: a chain of 7
+    NVLink hops and a tree of 3 network hops, up and down."""
+    recipe = load_recipe("glm-423b-a30b")
+    hw = recipe.hardware
+    assert hw.all_reduce_s(1) == 0.0
+    assert hw.all_reduce_s(64) == pytest.approx(hw.kernel_launch_s + 2 * (7 * hw.intra_node_latency_s + 3 * hw.inter_node_latency_s))
+    slower = recipe.model_copy(update={"hardware": hw.model_copy(update={"inter_node_latency_s": hw.inter_node_latency_s + 1e-3})})
+    trace = _forced(recipe, 2.6)
+    runs = []
+    for r in (recipe, slower):
+        rs = ranks(r, trace)
+        runs.append((rs, BaGuaLu(rs, trace).iteration(0), Static("adapipe_like", rs, trace, ["recompute"], None).iteration(0)))
+    (rs, fast, static), (_, slow, static_slow) = runs
+    assert static == static_slow
+    for rank, before, after in zip(rs, fast, slow):
+        vp = len(rank.costs)
+        for u, (b, a) in enumerate(zip(before, after)):
+            assert a.backward_s == b.backward_s and a.held_bytes == b.held_bytes
+            assert a.forward_s - b.forward_s == pytest.approx(2 * 3 * 1e-3 * len(rank.costs[u % vp].cm.moe_layers))
+
+
 def test_json_document(tmp_path):
     result = simulate(load_recipe("glm-188b-a20b"), iterations=4, seed=1, preset="glm-188b-a20b")
     path = tmp_path / "sim.json"
@@ -194,9 +219,10 @@ def test_recorded_routing_is_tiled_over_the_preset(tmp_path):
 
 def test_the_simulated_figures_are_the_recorded_ones():
     """Every system's and level's simulated figures on glm-423b-a30b (8 iterations, default seed)
-    equal those recorded once the floor became the collective full recompute (M0 with the
-    all-to-alls recomputed, the gates' collective escalation); before that the file held the
-    figures of commit 225d5b3, which the decision core's speed work had left unchanged."""
+    equal those recorded once BaGuaLu's forwards paid the gates' agreement under expert
+    parallelism (one small all-reduce per MoE layer; the other systems' figures unchanged); before
+    that, once the floor became the collective full recompute (M0 with the all-to-alls recomputed,
+    the gates' collective escalation), and before that the figures of commit 225d5b3."""
     from pathlib import Path
 
     recorded = json.loads((Path(__file__).parent / "data" / "simulate-glm-423b-a30b-8.json").read_text())

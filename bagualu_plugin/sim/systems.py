@@ -5,7 +5,8 @@ plan on every pipeline rank; `iteration(it)` gives each rank's micro-batch costs
   per micro-batch Algorithm 1 budgets, Algorithm 2 plans for the normal routing band, deferred
   planning at each MoE gate, and each
   steady F_x B_y point fused as §V-B's DP orders it (`planner.dual_batch`: its forward and backward
-  take fused / serial of their serial time).
+  take fused / serial of their serial time). Under expert parallelism its forwards also pay the
+  gates' agreement on the collective escalation, one small all-reduce per MoE layer.
 - Static baselines, planned once per stage at the even share of what static memory leaves to the
   warmup stack (Algorithm 1's first budget) for the normal band's routing (the "balanced load"
   that 97.1% of iterations stay within, §II-B), never changed until a crash: `adapipe_like`
@@ -135,7 +136,13 @@ class BaGuaLu(System):
 class _Decider:
     """One rank's decisions (`planner.decider.Decider`, as the Provisioner makes them), driven by
     the trace and the cost model's bytes instead of a model; with vp > 1 every chunk forward is one
-    Algorithm 1 step, planned on its chunk's cost model (the decider's key is the chunk)."""
+    Algorithm 1 step, planned on its chunk's cost model (the decider's key is the chunk).
+
+    Under expert parallelism the Provisioner's gate, at every MoE layer with a collective
+    escalation, asks the group whether any rank escalates it (`parallel.expert.any_rank`: §V-A's
+    deferred planning as one decision of the group), whatever this rank decides. So each chunk
+    forward pays one small all-reduce per such layer (`HardwareSpec.all_reduce_s`), added after
+    the fused points' overlap: the host waits on each answer before the layer's experts run."""
 
     def __init__(self, rank: Rank, fused: bool = True):
         s = self.stage = rank.stage
@@ -145,6 +152,8 @@ class _Decider:
         self.forwards = [(f.micro_batch, f.chunk) for f in s.schedule if f.kind == "F"]
         self.moe_layers = [costs.cm.moe_layers for costs in rank.costs]
         self.points = _points(s.schedule)
+        agreement_s = s.recipe.hardware.all_reduce_s(s.recipe.parallel.ep)
+        self.agreement_s = [agreement_s * sum(bool(costs.cm.blocks[i].collective) for i in costs.cm.moe_layers) for costs in rank.costs]
 
     def iteration(self, trace: Trace, it: int) -> tuple[list[MicroBatch], float]:
         """The rank's micro-batch costs in iteration `it`, and the seconds its decisions took."""
@@ -179,7 +188,7 @@ class _Decider:
                     fx, by = x[0] * vp + x[1], y[0] * vp + y[1]
                     out[fx] = replace(out[fx], forward_s=out[fx].forward_s * factor)
                     out[by] = replace(out[by], backward_s=out[by].backward_s * factor)
-        return out, spent
+        return [replace(m, forward_s=m.forward_s + self.agreement_s[u % vp]) for u, m in enumerate(out)], spent
 
 
 Unit = tuple[int, int]  # (micro-batch, chunk)
