@@ -5,10 +5,12 @@ every policy starts from the same weights, a few steps into training (`pretraine
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
 from ..adapters import tiny_model
+from ..adapters.costs import DTYPES
 from ..config import Recipe
 from ..costmodel import CostModel, ModelDims
 from ..parallel.expert import expert_parallel
@@ -19,35 +21,39 @@ from ..stage import Stage
 
 LEARNING_RATE = 1e-3  # AdamW's
 PRETRAIN_STEPS = 5
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPES.items()}  # a recipe's dtype names
 
 
-def demo_model(dims: ModelDims, seed: int = 0):
-    """A random-init GLM-4-MoE with the recipe's dimensions (tiny by design), running the
-    "bagualu" experts implementation (what `expert_parallel` needs)."""
-    model = tiny_model(
-        "glm4_moe",
-        seed=seed,
-        hidden_size=dims.hidden_size,
-        num_hidden_layers=dims.num_layers,
-        num_attention_heads=dims.num_attention_heads,
-        num_key_value_heads=dims.num_key_value_heads,
-        head_dim=dims.head_dim,
-        vocab_size=dims.vocab_size,
-        n_routed_experts=dims.num_experts,
-        num_experts_per_tok=dims.top_k,
-        moe_intermediate_size=dims.moe_intermediate_size,
-        n_shared_experts=1 if dims.shared_expert_intermediate_size else 0,
-        first_k_dense_replace=dims.first_k_dense,
-        intermediate_size=dims.dense_intermediate_size or dims.moe_intermediate_size,
-    )
+def demo_model(dims: ModelDims, seed: int = 0, device: torch.device | None = None):
+    """A random-init GLM-4-MoE with the recipe's dimensions and dtype (tiny by design), running the
+    "bagualu" experts implementation (what `expert_parallel` needs), made on `device` (None: torch's
+    default, the CPU)."""
+    with torch.device(device) if device is not None else nullcontext():
+        model = tiny_model(
+            "glm4_moe",
+            seed=seed,
+            dtype=TORCH_DTYPES[dims.dtype],
+            hidden_size=dims.hidden_size,
+            num_hidden_layers=dims.num_layers,
+            num_attention_heads=dims.num_attention_heads,
+            num_key_value_heads=dims.num_key_value_heads,
+            head_dim=dims.head_dim,
+            vocab_size=dims.vocab_size,
+            n_routed_experts=dims.num_experts,
+            num_experts_per_tok=dims.top_k,
+            moe_intermediate_size=dims.moe_intermediate_size,
+            n_shared_experts=1 if dims.shared_expert_intermediate_size else 0,
+            first_k_dense_replace=dims.first_k_dense,
+            intermediate_size=dims.dense_intermediate_size or dims.moe_intermediate_size,
+        )
     model.set_experts_implementation("bagualu")
     return model
 
 
-def rank_model(dims: ModelDims, seed: int = 0):
+def rank_model(dims: ModelDims, seed: int = 0, device: torch.device | None = None):
     """This rank's demo model: the seeded model (the same on every rank), its routed experts
-    sharded over the world group."""
-    model = demo_model(dims, seed)
+    sharded over the world group, on `device` (None: the CPU)."""
+    model = demo_model(dims, seed, device)
     expert_parallel(model)
     return model
 
@@ -102,8 +108,9 @@ def pretrained(stage: Stage, batches: Sequence[torch.Tensor], seed: int = 0) -> 
     steps of plain training on every rank's batches (every rank at once). The random-init router
     routes unevenly (measured: rank 0 receives 1.11x its balanced share in the first iteration)
     and the first steps of training take most of that away (within 5% after them); starting past
-    them, the memory the policies meet follows the spike schedule, as in the paper."""
-    model = rank_model(stage.recipe.model, seed)
+    them, the memory the policies meet follows the spike schedule, as in the paper. The model is
+    made on the batches' device."""
+    model = rank_model(stage.recipe.model, seed, batches[0].device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
     for _ in range(PRETRAIN_STEPS):
         run_iteration(model, batches, stage.schedule)

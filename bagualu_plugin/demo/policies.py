@@ -17,10 +17,13 @@ records its first overrun instead of raising (a rank that raised mid-forward wou
 others blocked in its next all-to-all), and after every forward and backward all ranks learn
 whether one ran out (`collectives.overrun_ranks`); if one did, every rank stops at that step. The
 OOM counts once for the job, a restart costs `spikes.restart_iterations` times the mean iteration
-time, and the job goes on under full recompute, as the paper treats its baselines.
+time, and the job goes on under full recompute, as the paper treats its baselines. On a real
+device (`hardware.simulated` false: one process, benchmarks/gpu_payoff.py) its allocator enforces
+the capacity instead of the Ledger, and its own out-of-memory error restarts the job the same way.
 
-An iteration's time is the slowest rank's, from a barrier at its start; the training step after
-it (`model.train_step`) is the same under every policy and not timed. The job's throughput is all
+An iteration's time is the slowest rank's, from a barrier at its start to the end of what its
+device ran (a GPU is waited for at both ends); the training step after it (`model.train_step`)
+is the same under every policy and not timed. The job's throughput is all
 ranks' tokens over those times plus the charged restarts.
 """
 
@@ -106,6 +109,12 @@ class JobOutOfMemoryError(torch.OutOfMemoryError):
         super().__init__(f"simulated out of memory on expert-parallel ranks {list(self.ranks)}" + (f": {own}" if own else ""))
 
 
+def _settle(device: torch.device) -> None:
+    """Wait until a GPU has run the kernels queued on it (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _static_plan(policy: str, stage: Stage) -> Plan:
     """A static policy's one plan: nothing, full recompute, or Algorithm 2 at Algorithm 1's first
     budget (the even share of the warmup stack) for the normal band or the largest spike."""
@@ -123,13 +132,13 @@ class PolicyRun:
     """One policy's model, optimizer, runtime and counters on this rank; `iteration(it)` runs one
     training iteration (every rank at once). `stage`: this rank's (its recipe's `parallel.ep_rank`
     is this rank); `hot`: the rank every micro-batch's routing skew targets; `start`: the weights
-    its model starts from, the same for every policy."""
+    its model starts from, the same for every policy. The model is made on the batches' device."""
 
     def __init__(self, policy: str, stage: Stage, schedule: list, batches: list, start: dict[str, torch.Tensor], hot: int):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.stage, self.schedule, self.batches, self.hot = stage, schedule, batches, hot
-        self.model = rank_model(stage.recipe.model)
+        self.model = rank_model(stage.recipe.model, device=batches[0].device)  # where its batches are
         self.model.load_state_dict(start)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE)
         self.adapter = Adapter(self.model)
@@ -141,8 +150,9 @@ class PolicyRun:
     def _install(self) -> None:
         if self.current in PLANNED:
             self.runner = Provisioner(self.model, self.stage.recipe, self.stage.cost)
-        else:
-            capacity = None if self.current == "unbounded" else self.stage.capacity
+        else:  # the Ledger enforces a simulated capacity; a real device's allocator its own
+            simulated = self.current != "unbounded" and self.stage.recipe.hardware.simulated
+            capacity = self.stage.capacity if simulated else None
             self.runner = PlanRuntime(
                 self.model, options=self.stage.options, capacity_bytes=capacity, static_bytes=self.stage.static_bytes
             ).install()
@@ -167,7 +177,7 @@ class PolicyRun:
         @contextmanager
         def around(step: Step):
             mb, imbalance = step.micro_batch, self.schedule[it][step.micro_batch]
-            ledger.reset_peak()
+            ledger.reset_peak(allocator=False)  # this step's, in the Ledger; a GPU allocator's peak is the caller's
             entry = TimelineEntry(it, mb, step.kind, max(imbalance.values()))
             entries.append(entry)
             before = static + ledger.live_device_bytes
@@ -191,10 +201,13 @@ class PolicyRun:
                 raise JobOutOfMemoryError(ranks, own)
 
         dist.barrier()  # the iteration starts when every rank is there
+        _settle(ledger.device)  # and its device has run what came before
         start = time.perf_counter()
         try:
             run_iteration(self.model, self.batches, stage.schedule, self.runner if adaptive else None, around=around)
-        except JobOutOfMemoryError:  # raised on every rank at the same step
+        except torch.OutOfMemoryError:  # the job's, raised on every rank at the same step; or this device's own
+            if entries and not entries[-1].oom:  # the device's allocator raised inside the step
+                entries[-1].oom, entries[-1].oom_ranks = True, (dist.get_rank(),)
             self.optimizer.zero_grad(set_to_none=True)  # a restart resumes from the last step
             result.ooms += 1
             result.timeline += entries
@@ -207,6 +220,7 @@ class PolicyRun:
             self.close()
             self.current = "full_recompute"  # then the conservative policy
             return
+        _settle(ledger.device)
         elapsed = max_over_ranks(time.perf_counter() - start)  # the slowest rank's
         train_step(self.model, self.optimizer)
         result.timeline += entries
