@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
@@ -38,13 +38,27 @@ def _ptr(t: object) -> int | None:
     return None
 
 
+def _clock(device: torch.device) -> Callable[[], float]:
+    """Wall seconds once `device` has run what was queued on it: CUDA runs kernels asynchronously,
+    so without the synchronisation an op's time would be its kernels' launches (a profile is a
+    one-off measurement, which the synchronisations do not disturb)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
 class _Provenance(TorchFunctionMode):
     """Which op made each storage (a torch function's new outputs), and, when timing backward,
     which op each autograd node belongs to."""
 
-    def __init__(self, tracker: OpTracker, backward_s: dict[OpId, float] | None = None):
+    def __init__(self, tracker: OpTracker, backward_s: dict[OpId, float] | None = None, now: Callable[[], float] = time.perf_counter):
         super().__init__()
-        self.tracker = tracker
+        self.tracker, self.now = tracker, now
         self.made: dict[int, tuple[OpId | None, object]] = {}
         self.backward_s = backward_s
         self._timed: set[int] = set()
@@ -75,10 +89,10 @@ class _Provenance(TorchFunctionMode):
         acc = self.backward_s
 
         def pre(_grad_outputs):
-            start[0] = time.perf_counter()
+            start[0] = self.now()
 
         def post(_grad_inputs, _grad_outputs):
-            acc[op] = acc.get(op, 0.0) + time.perf_counter() - start[0]
+            acc[op] = acc.get(op, 0.0) + self.now() - start[0]
 
         node.register_prehook(pre)
         node.register_hook(post)
@@ -90,7 +104,8 @@ class _Provenance(TorchFunctionMode):
 class _ForwardClock:
     """Seconds spent in each op during forward: an op runs from its scope's start to the next."""
 
-    def __init__(self, tracker: OpTracker):
+    def __init__(self, tracker: OpTracker, now: Callable[[], float] = time.perf_counter):
+        self.now = now
         self.seconds: dict[OpId, float] = {}
         self.order: list[OpId] = []
         self._last: tuple[OpId, float] | None = None
@@ -105,7 +120,7 @@ class _ForwardClock:
 
     def _close(self) -> float:
         """Charge the running op up to now; returns now."""
-        now = time.perf_counter()
+        now = self.now()
         if self._last is not None:
             prev, since = self._last
             self.seconds[prev] += now - since
@@ -268,7 +283,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
     backward: list[dict[OpId, float]] = []
     order: list[OpId] = []
     for _ in range(repeats):
-        clock = _ForwardClock(tracker)
+        clock = _ForwardClock(tracker, _clock(ids.device))
         try:
             loss = _forward(model, ids, labels)
             clock.stop()
@@ -279,7 +294,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
         forward.append(clock.seconds)
         order = clock.order
         seconds: dict[OpId, float] = {}
-        with _Provenance(tracker, seconds):
+        with _Provenance(tracker, seconds, _clock(ids.device)):
             loss = _forward(model, ids, labels)
         loss.backward()
         del loss
@@ -439,9 +454,10 @@ def measure_micro_batch(
         loss.backward()
         del loss
         seconds = []
+        now = _clock(input_ids.device)
         for _ in range(repeats):
-            start = time.perf_counter()
+            start = now()
             _forward(model, input_ids, labels).backward()
-            seconds.append(time.perf_counter() - start)
+            seconds.append(now() - start)
         model.zero_grad(set_to_none=True)
     return saved, routed, sorted(seconds)[len(seconds) // 2] if seconds else 0.0
