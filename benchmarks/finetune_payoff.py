@@ -17,7 +17,7 @@ training, bit for bit), the worst process's peak against the capacity, the media
 steps after the first (pooled over the rounds) with its p10-p90 spread, and the ratios to the
 oracle and to the unbounded run.
 
-    python benchmarks/finetune_payoff.py [--steps 20] [--rounds 2] [--json FILE]   (~5 min on 2 CPU cores)
+    python benchmarks/finetune_payoff.py [--steps 20] [--rounds 2] [--json FILE]   (~10 min on 2 CPU cores)
 """
 
 from __future__ import annotations

@@ -9,9 +9,12 @@ what the plugin costs; the planner's share is its decision time over the plugin 
 Models: the demo's (the built-in `demo` recipe's tiny GLM-4-MoE, on its 4 expert-parallel gloo
 processes, pipeline rank 0 of 4, each iteration the slowest rank's) and a larger Qwen3-MoE on one
 process (hidden 512, 8 layers, 16 experts top-4, 4 micro-batches of 2 x 256 tokens), where
-compute dominates as it does on real models.
+compute dominates as it does on real models: through the plugin's 1F1B driver (`bgl.apply`, pipeline
+rank 0 of 4), and under HF's Trainer with `BagualuCallback` against a plain Trainer (no pipeline,
+the zero-configuration path: the recipe derived, the micro-batches found on the model; a training
+step there includes the optimizer's).
 
-    python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~1 min on 2 CPU cores)
+    python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~4 min on 2 CPU cores)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 
 import torch
@@ -83,13 +87,20 @@ def _demo_rank(rank: int, size: int, iterations: int) -> dict:
     return _alternate(lambda: rank_model(recipe.model), rank_batches(recipe, rank), recipe, iterations, dist.barrier, max_over_ranks)
 
 
-def _larger(iterations: int) -> dict:
-    make = lambda: tiny_model(  # noqa: E731
+BATCH, SEQ, M = 2, 256, 4  # the larger model's micro-batches: 512 tokens each, 4 per step
+
+
+def _make_larger():
+    return tiny_model(
         "qwen3_moe", hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
         intermediate_size=1024, moe_intermediate_size=256, num_experts=16, num_experts_per_tok=4, vocab_size=1024,
     )
+
+
+def _larger(iterations: int) -> dict:
+    make = _make_larger
     model = make()
-    batch, seq, m = 2, 256, 4
+    batch, seq, m = BATCH, SEQ, M
     recipe = bgl.Recipe.from_dict({
         "hardware": {"preset": "cpu", "capacity_bytes": 1},
         "model": ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa").model_dump(),
@@ -103,6 +114,63 @@ def _larger(iterations: int) -> dict:
     return _alternate(make, batches, recipe, iterations)
 
 
+def _trainer(iterations: int) -> dict:
+    """The larger model under HF's Trainer as its users run it, with `BagualuCallback` (the plugin
+    derives its recipe from the model and the training arguments, and finds each micro-batch on
+    the model) and without. Two Trainers of equal copies take turns: each `train()` runs 2
+    optimizer steps of M accumulated micro-batches and the second is timed (the first pays
+    `train()`'s set-up: the optimizer, the data loader, the plugin's install)."""
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    from bagualu_plugin.adapters.costs import model_cost
+    from bagualu_plugin.integrations.transformers import BagualuCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self, collector: ManualCollector):
+            self.collector, self.times = collector, []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+            self.collector.step()
+
+    plain = _make_larger()
+    ours = _make_larger()
+    ours.load_state_dict(plain.state_dict())
+    keep = model_cost(plain).activation_bytes(BATCH * SEQ, seq_len=SEQ)
+    callback = BagualuCallback({"hardware": {"capacity_bytes": AMPLE * keep}, "budget": {"non_activation_bytes": 0}})
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, plain.config.vocab_size, (SEQ,), generator=g) for _ in range(2 * BATCH * M)]
+    dataset = [{"input_ids": ids, "labels": ids} for ids in rows]
+    times = {"plugin": [], "plain": []}
+    with tempfile.TemporaryDirectory() as out, ManualCollector() as collector:
+        arguments = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=M, max_steps=2, learning_rate=1e-4,
+            report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        )
+        clocks = {name: StepClock(collector) for name in times}
+        trainers = {
+            "plugin": Trainer(model=ours, args=arguments, train_dataset=dataset, callbacks=[callback, clocks["plugin"]]),
+            "plain": Trainer(model=plain, args=arguments, train_dataset=dataset, callbacks=[clocks["plain"]]),
+        }
+        for trainer in trainers.values():
+            trainer.remove_callback(PrinterCallback)  # each train()'s summary line would break the table
+        planner_s = forwards = mitigated = 0
+        for _ in range(iterations):
+            for name, trainer in trainers.items():
+                trainer.train()
+                times[name].append(clocks[name].times[-1])
+            prov = callback.provisioner  # this train()'s: the timed step's forwards are its last M
+            events = list(prov.events)[-M:]
+            planner_s += sum(e.planner_s for e in events)
+            forwards += len(events)
+            mitigated += sum(bool(e.plan) or bool(e.escalations) for e in events)
+    return {"times": times, "planner_s_per_micro_batch": planner_s / forwards, "mitigated_micro_batches": mitigated,
+            "micro_batches": M, "tokens": BATCH * SEQ * M}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=8, help="measured iterations of each copy (after one warm-up)")
@@ -114,6 +182,7 @@ def main() -> None:
     runs = {
         f"demo GLM-4-MoE, {demo.parallel.ep} EP ranks": run_ranks(_demo_rank, demo.parallel.ep, args.iterations, timeout_s=900)[0],
         "Qwen3-MoE hidden 512 x 8 layers, 512 tokens/mb": _larger(args.iterations),
+        "the same, HF Trainer + BagualuCallback": _trainer(args.iterations),
     }
     rows, out = [], []
     for name, r in runs.items():
