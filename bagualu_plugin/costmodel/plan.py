@@ -8,9 +8,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from .graph import OpId
 from .mitigation import STRATEGIES
 
-# How many plans a per-plan cache keeps (the most recent): a run meets few plans again and again,
-# and over a long one with spikes ever new combinations of escalated layers, used once or twice.
-PLANS_CACHED = 256
+Block = tuple[tuple[str, str], ...]  # one layer's (op name, strategy), sorted by name
 
 
 class Plan(Mapping[OpId, str]):
@@ -19,8 +17,8 @@ class Plan(Mapping[OpId, str]):
 
     def __init__(self, strategies: Mapping[OpId | str, str] | None = None):
         self._map: dict[OpId, str] = {}
-        self._key: tuple[tuple[OpId, str], ...] | None = None
-        self._blocks: dict[int, tuple[tuple[str, str], ...]] | None = None
+        self._key: tuple[tuple[int, Block], ...] | None = None
+        self._blocks: dict[int, Block] | None = None
         self._hash: int | None = None
         self._named: tuple[tuple[str, str], ...] | None = None
         for key, strategy in (strategies or {}).items():
@@ -42,12 +40,37 @@ class Plan(Mapping[OpId, str]):
     def __len__(self) -> int:
         return len(self._map)
 
+    def with_block(self, layer: int, strategies: Mapping[str, str]) -> Plan:
+        """This plan with `layer`'s ops in `strategies` ({op name: strategy}) set so: a gate's
+        escalation. It starts grouped per layer as this plan is, so making it costs that layer's
+        ops, not the whole plan's, and no cache of whole plans is needed to make it cheap (the
+        escalated layers' combinations keep coming new over a long run)."""
+        plan = Plan({OpId(layer, name): strategy for name, strategy in strategies.items()})
+        plan._map = {**self._map, **plan._map}
+        blocks = self.blocks()
+        blocks = {**blocks, layer: tuple(sorted({**dict(blocks.get(layer, ())), **strategies}.items()))}
+        plan._blocks = dict(sorted(blocks.items()))
+        return plan
+
+    def blocks(self) -> dict[int, Block]:
+        """{layer: its ops' (op name, strategy), sorted}, sorted by layer: what one block's costs
+        and regions depend on, grouped once (a plan never changes once made)."""
+        if self._blocks is None:
+            grouped: dict[int, list[tuple[str, str]]] = {}
+            for op, strategy in self._map.items():
+                grouped.setdefault(op.layer, []).append((op.name, strategy))
+            self._blocks = {layer: tuple(sorted(grouped[layer])) for layer in sorted(grouped)}
+        return self._blocks
+
+    def block(self, layer: int) -> Block:
+        """`layer`'s (op name, strategy), sorted; () where the plan names none of its ops."""
+        return self.blocks().get(layer, ())
+
     @property
-    def key(self) -> tuple[tuple[OpId, str], ...]:
-        """The plan as a hashable value, sorted once: what caches of plans key on (a plan never
-        changes once made)."""
+    def key(self) -> tuple[tuple[int, Block], ...]:
+        """The plan as a hashable value, its blocks in order: what caches of plans key on."""
         if self._key is None:
-            self._key = tuple(sorted(self._map.items()))
+            self._key = tuple(self.blocks().items())
         return self._key
 
     def __hash__(self) -> int:  # a plan never changes once made, so it may key a cache
@@ -60,20 +83,10 @@ class Plan(Mapping[OpId, str]):
             return True
         return self.key == other.key if isinstance(other, Plan) else Mapping.__eq__(self, other)
 
-    def block(self, layer: int) -> tuple[tuple[str, str], ...]:
-        """(op name, strategy) of `layer`'s ops the plan names, sorted: what one block's costs
-        depend on, grouped once."""
-        if self._blocks is None:
-            grouped: dict[int, list[tuple[str, str]]] = {}
-            for op, strategy in self.key:
-                grouped.setdefault(op.layer, []).append((op.name, strategy))
-            self._blocks = {i: tuple(entries) for i, entries in grouped.items()}
-        return self._blocks.get(layer, ())
-
     def named(self) -> dict[str, str]:
         """{"layer.op": strategy}, sorted: the plan as telemetry writes it (a new dict each time)."""
         if self._named is None:
-            self._named = tuple((str(op), s) for op, s in self.key)
+            self._named = tuple((f"{layer}.{name}", s) for layer, block in self.key for name, s in block)
         return dict(self._named)
 
     def strategy(self, op: OpId) -> str:

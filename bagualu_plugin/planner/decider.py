@@ -21,13 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from ..costmodel.graph import COLLECTIVE_OPS, EXPERT_OPS
 from ..costmodel.mitigation import MitigationOptions
 from ..costmodel.model import CostModel
-from ..costmodel.plan import PLANS_CACHED, Plan
+from ..costmodel.plan import Plan
 from .gate import GateDecision, GatePlan, escalated, gate_costs, plan_for_gates
 from .greedy import Decision, InfeasibleBudget, plan_micro_batch
 from .path import PathPlanner
@@ -131,14 +130,16 @@ class Decider:
     rank's numbers (capacity, static bytes, M0, warmup depth, routing band, strategies); `costs`:
     the cost model of each key (default: the stage's own under the key None), each prepared at
     the stage's micro-batch shape now; `bands`: the prepared bands of deciders on the same stage
-    to share (the simulator's systems decide on the same ranks)."""
+    to share (the simulator's systems decide on the same ranks); `on_band`: called with each band
+    this decider prepares, once (the Provisioner prepares the runtime's side of its plans then)."""
 
-    def __init__(self, stage: Stage, costs: dict[Hashable, CostModel] | None = None, bands: dict | None = None):
+    def __init__(
+        self, stage: Stage, costs: dict[Hashable, CostModel] | None = None, bands: dict | None = None,
+        on_band: Callable[[Band], None] | None = None,
+    ):
         self.costs: dict[Hashable, CostModel] = dict(costs) if costs is not None else {None: stage.cost}
         self._bands: dict[tuple, Band] = {} if bands is None else bands
-        # one Plan per escalation while cached, so caches of plans hit by identity; bounded, as the
-        # spikes' combinations of escalated layers are many over a long run
-        self._escalated = lru_cache(maxsize=PLANS_CACHED)(escalated)
+        self._on_band = on_band
         self._quanta = (0, 0)
         self._use(stage)
         self.budgets = self.first.copy()
@@ -177,6 +178,8 @@ class Decider:
             budget_q, routed_q = self._quanta
             planner = PathPlanner(self.costs[key], budget_q, routed_q, self.strategies, self.options)
             band = self._bands[key, tokens, seq_len] = Band(planner, tokens, seq_len, self.normal, self.heaviest)
+            if self._on_band is not None:
+                self._on_band(band)
         return band
 
     def start_iteration(self, held: int = 0) -> None:
@@ -220,7 +223,7 @@ class Decider:
             f.deferred.append(Deferral(layer, pairs, decision.overrun))
         elif decision.action in ("escalate", "collective"):
             together = decision.action == "collective"
-            f.plan = self._escalated(f.plan, layer, COLLECTIVE_OPS if together else EXPERT_OPS)
+            f.plan = escalated(f.plan, layer, COLLECTIVE_OPS if together else EXPERT_OPS)
             f.escalations.append(Escalation(layer, pairs, decision.overrun, decision.slack, together))
         return decision
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from ..costmodel.graph import EXPERT_OPS, OpId
+from ..costmodel.graph import EXPERT_OPS
 from ..costmodel.mitigation import MitigationOptions, footprint
 from ..costmodel.model import CostModel
 from ..costmodel.plan import Plan
@@ -88,7 +88,7 @@ class LayerCost(NamedTuple):
 def escalated(plan: Plan, layer: int, ops: tuple[str, ...] = EXPERT_OPS) -> Plan:
     """`plan` with `layer`'s `ops` recomputed as one unit: the gate's escalation (the routed
     experts), or its collective one (`graph.collective_unit`)."""
-    return Plan({**plan, **{OpId(layer, n): "recompute" for n in ops}})
+    return plan.with_block(layer, dict.fromkeys(ops, "recompute"))
 
 
 def gate_costs(

@@ -61,8 +61,12 @@ class SavedTensorHooks:
 
     def new_forward(self, *_) -> None:
         """The model's forward pre-hook: this micro-batch's offloads start a new chain, so that
-        prefetch never reaches into another forward and old chains die with their copies."""
-        self._last_offload.pop(self.ledger.micro_batch, None)
+        prefetch never reaches into another forward (one abandoned before its backward too)."""
+        self.release(self.ledger.micro_batch)
+
+    def release(self, micro_batch: int | None) -> None:
+        """`micro_batch`'s chain goes: its backward has restored every copy in it."""
+        self._last_offload.pop(micro_batch, None)
 
     def prefetch(self, micro_batch: int | None, layer: int) -> None:
         """Start bringing back the host copies `layer`'s ops made in `micro_batch`'s latest forward,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch import nn
@@ -27,9 +27,9 @@ from torch import nn
 from ..adapters import Adapter, OpTracker, is_inside_backward
 from ..adapters.experts import RUNNER_ATTR, adapted_weights, require_plain_weights
 from ..adapters.units import block_spans, block_units, unit_module
-from ..costmodel.graph import LOSS_OPS
+from ..costmodel.graph import LOSS_OPS, OpId
 from ..costmodel.mitigation import MitigationOptions, cover
-from ..costmodel.plan import PLANS_CACHED, Plan
+from ..costmodel.plan import Block, Plan
 from .head import install_loss_runner
 from .hooks import SavedTensorHooks
 from .ledger import Ledger, _storage
@@ -66,9 +66,12 @@ class PlanRuntime:
         )
         self.hooks = SavedTensorHooks(Plan(), self.ledger, lambda: self.tracker.current, options, HostPool())
         self._regions: dict[tuple[int, tuple[str, ...]], frozenset[str]] = {}
-        self._regions_for = lru_cache(maxsize=PLANS_CACHED)(self._regions_of)  # set_plan's, per plan, the recent ones
-        self._ops = frozenset(self.adapter.ops())  # set_plan runs per micro-batch: list them once
-        self._frames: dict[tuple[int | None, int], list[weakref.ref]] = {}  # (micro-batch, layer): its live regions
+        # set_plan's, per layer and its block of the plan: a layer takes few blocks (those of
+        # Algorithm 2's paths and the gates' escalations of them), where whole plans, combining
+        # every layer's, keep coming new over a long run with spikes
+        self._block_regions = cache(self._regions_of)
+        self._ops = frozenset(self.adapter.ops())
+        self._frames: dict[int | None, dict[int, list[weakref.ref]]] = {}  # micro-batch: layer: its live regions
         self._stack: ExitStack | None = None
         self._forwarding = False  # inside forward(): only there does the plan apply
 
@@ -77,20 +80,28 @@ class PlanRuntime:
         return self.hooks.plan
 
     def set_plan(self, plan: Mapping) -> None:
-        """Follow `plan` from now on (validated first: unknown ops, units that cannot recompute).
-        A plan is validated and its regions found once: the planner hands out few plans, again
-        and again."""
+        """Follow `plan` from now on (validated first: unknown ops, units that cannot recompute)."""
         plan = plan if isinstance(plan, Plan) else Plan(plan)
-        self._regions, self.hooks.plan = self._regions_for(plan), plan
+        self._regions, self.hooks.plan = self.regions(plan), plan
 
-    def _regions_of(self, plan: Plan) -> dict[tuple[int, tuple[str, ...]], frozenset[str]]:
-        """The checkpoint regions of `plan`'s recompute, per (layer, ops): what each drops."""
-        unknown = [str(op) for op in plan if op not in self._ops]
+    def regions(self, plan: Plan) -> dict[tuple[int, tuple[str, ...]], frozenset[str]]:
+        """`plan` validated and the checkpoint regions of its recompute, per (layer, ops): what
+        each drops. Each layer's block of a plan is validated and its regions found once
+        (`_regions_of`): the Provisioner has every block its bands may run found ahead."""
+        regions = {}
+        for layer, block in plan.blocks().items():
+            regions.update(self._block_regions(layer, block))
+        return regions
+
+    def _regions_of(self, layer: int, block: Block) -> dict[tuple[int, tuple[str, ...]], frozenset[str]]:
+        """The checkpoint regions of `layer`'s recompute under its `block` of a plan, per (layer,
+        ops): what each drops."""
+        unknown = [f"{layer}.{name}" for name, _ in block if OpId(layer, name) not in self._ops]
         if unknown:
             raise KeyError(f"plan names ops this {self.adapter.family.model_type} model does not have: {', '.join(unknown)}")
+        wanted = {name for name, strategy in block if strategy == "recompute"}
         regions = {}
-        for layer in {op.layer for op in plan if plan[op] == "recompute"}:
-            wanted = {op.name for op in plan if op.layer == layer and plan[op] == "recompute"}
+        if wanted:
             units, spans = block_units(self.adapter, layer), block_spans(self.adapter, layer)
             try:
                 covered = cover(units, spans, wanted, f"layer {layer}")
@@ -165,8 +176,8 @@ class PlanRuntime:
         saves = nullcontext if region == set(unit) else SpanSaves(dropped)
         with self._holding():
             output, frame = recompute(module, forward, self.adapter.config, args, kwargs, saves)
-        key = (self.ledger.micro_batch, layer)  # weakly: a frame dies with its graph
-        self._frames[key] = [*(ref for ref in self._frames.get(key, ()) if ref() is not None), weakref.ref(frame)]
+        frames = self._frames.setdefault(self.ledger.micro_batch, {})  # weakly: a frame dies with its graph
+        frames[layer] = [*(ref for ref in frames.get(layer, ()) if ref() is not None), weakref.ref(frame)]
         return output
 
     def recover(self, micro_batch: int | None, layer: int) -> None:
@@ -178,12 +189,19 @@ class PlanRuntime:
         self.hooks.prefetch(micro_batch, layer)
         current = self.tracker.current  # a replay runs the op scopes: an interleaved forward goes on in its own op
         try:
-            for ref in reversed(self._frames.pop((micro_batch, layer), [])):  # in backward order
+            for ref in reversed(self._frames.get(micro_batch, {}).pop(layer, [])):  # in backward order
                 frame = ref()
                 if frame is not None:
                     frame.recompute_now()
         finally:
             self.tracker.current = current
+
+    def release(self, micro_batch: int | None) -> None:
+        """`micro_batch`'s backward has run: what `recover` would use for it (its regions' frames,
+        its host copies' chain, all dead now) goes now, not at its next forward, so that what the
+        runtime holds between iterations does not depend on the plans that ran."""
+        self._frames.pop(micro_batch, None)
+        self.hooks.release(micro_batch)
 
     def _holding(self):
         """While the plan's hooks are in force, a region's inputs stay on the device as they are,

@@ -35,9 +35,11 @@ from ..adapters.costs import model_cost
 from ..adapters.gate import GateMonitor
 from ..config import Batch, Recipe
 from ..costmodel import CostModel
+from ..costmodel.graph import COLLECTIVE_OPS
 from ..derive import derive_recipe
 from ..parallel.expert import any_rank, expert_group
-from ..planner.decider import Decider, Deferral, Escalation, Foresight, Forward
+from ..planner.decider import Band, Decider, Deferral, Escalation, Foresight, Forward
+from ..planner.gate import escalated
 from ..stage import Stage, mitigation_options
 from ..units import fmt_bytes
 from .boundaries import Boundaries, ForwardKind
@@ -172,7 +174,7 @@ class Provisioner:
         plain = cost or model_cost(model, recipe.hardware)
         self._given_cost = cost is not None
         static = self.static.measure() if measured else None
-        self.decider = Decider(Stage.of(recipe, plain, split=False, static_bytes=static), {ForwardKind(): plain})
+        self.decider = Decider(Stage.of(recipe, plain, split=False, static_bytes=static), {ForwardKind(): plain}, on_band=self._prepare)
         stage = self.stage
         self.ledger.static_bytes = stage.static_bytes
         # the schedule's phase of each forward: 1F1B's steady phase starts one forward before
@@ -197,6 +199,20 @@ class Provisioner:
         self.boundaries = Boundaries(self) if recipe.pipeline.pp == 1 else None
         if self.static is not None:
             self.static.watch(self._rebase)
+
+    def _prepare(self, band: Band) -> None:
+        """Every plan `band`'s micro-batches may run, each with every escalation its gates may
+        make: validated and their regions found (per layer's block, so that escalations of
+        several layers compose), their telemetry names made, now. A long run then meets nothing
+        new after its first micro-batches, whatever the routing or the budgets."""
+        for decision, gates in band.gates.items():
+            plan = decision.plan
+            plan.named()
+            self.runtime.regions(plan)
+            for layer, cost in gates.costs.items():
+                self.runtime.regions(escalated(plan, layer))
+                if cost.collective is not None:
+                    self.runtime.regions(escalated(plan, layer, COLLECTIVE_OPS))
 
     @property
     def stage(self) -> Stage:
@@ -404,6 +420,7 @@ class Provisioner:
         if event is None:
             raise ValueError(f"end_backward({mb}): micro-batch {mb} has no finished forward awaiting its backward")
         event.live_after_backward = live
+        self.runtime.release(mb)
         if self.telemetry:
             with self.telemetry.open("a") as f:
                 f.write(event.to_json() + "\n")
