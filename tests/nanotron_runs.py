@@ -11,13 +11,12 @@ collective timeout). Each run must end within --run-timeout-s: then SIGALRM, lef
 action (which a blocked collective cannot hold off), ends the process, and torchrun the job."""
 
 import argparse
-import os
 import signal
-import sys
 
 import torch.distributed as dist
 
 from bagualu_plugin.integrations.nanotron import train as launcher
+from bagualu_plugin.parallel.launch import end_process
 
 
 def main() -> None:
@@ -42,8 +41,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # as the launcher's own __main__ does: the interpreter's teardown of torch's C++ threads after
-    # gloo P2P aborts now and then, failing a finished run
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process()  # as the launcher's own __main__ does

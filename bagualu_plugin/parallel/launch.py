@@ -42,14 +42,16 @@ def context():
     return ctx
 
 
-def end_process(barrier: Callable[[], object]) -> NoReturn:
+def end_process(barrier: Callable[[], object] | None = None) -> NoReturn:
     """End a launched training process (torchrun, `accelerate launch`) once `barrier`, the last
-    collective of every process, returns and all is written: without the teardown of the process
-    group, which joins gloo's worker threads while holding the GIL. A worker still releasing a
-    finished collective's tensors waits for the GIL, so the process hangs (seen now and then: the
-    main thread in `~ProcessGroupGloo` joining, a worker in `~AsyncGatherWork`), or torch's C++
-    threads abort at the interpreter's exit. Nothing is left to do, so nothing is torn down."""
-    barrier()
+    collective of every process, returns (None: the caller passed it) and all is written: without
+    the teardown of the process group, which joins gloo's worker threads while holding the GIL. A
+    worker still releasing a finished collective's tensors waits for the GIL, so the process hangs
+    (seen now and then: the main thread in `~ProcessGroupGloo` joining, a worker in
+    `~AsyncGatherWork`), or torch's C++ threads abort at the interpreter's exit. Nothing is left to
+    do, so nothing is torn down."""
+    if barrier is not None:
+        barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -303,8 +303,9 @@ def main(argv: list[str] | None = None) -> None:
     timeout = timedelta(seconds=args.timeout_s)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     train(config, device, timeout)
-    end_process(dist.barrier)  # every rank is done: its metrics written, its last P2P send received
+    dist.barrier()  # every rank is done: its metrics written, its last P2P send received
 
 
 if __name__ == "__main__":
     main()
+    end_process()  # main returned past its barrier; its objects are freed, the process group is not
