@@ -61,7 +61,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 import torch.profiler
-from overhead import _alternate, _ample  # benchmarks/ is the script's folder, on sys.path
+from gpu_check import _intervals  # benchmarks/ is the script's folder, on sys.path
+from overhead import _alternate, _ample
 from torch._C._distributed_c10d import (
     AllreduceOptions,
     AllToAllOptions,
@@ -406,12 +407,9 @@ def tax_text(part: dict) -> str:
 def copy_overlap(events: list[dict]) -> dict:
     """Of the copies between device and host on side streams (those no kernel runs on: the host
     pool's), the share of their time that kernels cover (the kernels' intervals merged first)."""
-    def spans(keep):
-        return [(e["ts"], e["ts"] + e.get("dur", 0), (e.get("args") or {}).get("stream")) for e in events if keep(e)]
-
-    kernels = spans(lambda e: e.get("cat") == "kernel")
+    kernels = _intervals(events, lambda e: e.get("cat") == "kernel")
     compute = {stream for _, _, stream in kernels}
-    copies = [c for c in spans(lambda e: e.get("cat") == "gpu_memcpy" and ("DtoH" in e["name"] or "HtoD" in e["name"]))
+    copies = [c for c in _intervals(events, lambda e: e.get("cat") == "gpu_memcpy" and ("DtoH" in e["name"] or "HtoD" in e["name"]))
               if c[2] not in compute]
     busy: list[list[float]] = []  # when any kernel runs: disjoint, in order
     for a, b, _ in sorted(kernels):
