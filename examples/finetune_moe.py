@@ -14,10 +14,10 @@ micro-batch on the model. `--no-adaptive` is the same run without the plugin: it
 counted, not limited, so the two runs compare step by step: the unbounded run, the fastest any
 policy can be. `--oracle` is the limit of the adaptive plans instead: before each optimizer step
 (untimed) a forward without gradients records every micro-batch's routing, and each is then
-planned by Algorithm 2 for its real routing rather than for the normal band (`Provisioner.routing`,
-`Provisioner.foresee`). The garbage collector is frozen
-after set-up and every process collects at the end of each optimizer step (`--no-manual-gc`:
-Python's own collector), so no process's collection stalls the others inside a step.
+planned by Algorithm 2 for its real routing rather than for the normal band
+(`Provisioner.routing`, `Provisioner.foresee`). The garbage collector is frozen after set-up and
+every process collects at the end of each optimizer step (`--no-manual-gc`: Python's own
+collector), so no process's collection stalls the others inside a step.
 
 Writes to `--output-dir`: `metrics.jsonl` (per optimizer step: loss, every process's peak device
 bytes, the capacity, tokens/s), `telemetry.jsonl` (the plugin's events; process r > 0 writes
@@ -90,6 +90,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 @record  # under `accelerate launch`: a rank's error, with its traceback, in the launcher's summary of the failed job
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    policy = "no plugin" if args.no_adaptive else "oracle" if args.oracle else "adaptive"
     try:
         given = read_recipe(args.recipe)[1] if args.recipe else {}
     except RecipeError as exc:
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
 
-    vocab = accelerator.unwrap_model(model).config.vocab_size
+    unwrapped = accelerator.unwrap_model(model)
+    vocab = unwrapped.config.vocab_size
     try:
         if args.data:
             tokens = data.pack(data.load_texts(args.data), data.load_tokenizer(args.model), seq, vocab)
@@ -140,12 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     metrics, steps = (out / "metrics.jsonl").open("w") if main_process else None, []
     try:
         with ManualCollector(args.manual_gc) as collector:
-            desc = "fine-tuning" + (" (no plugin)" if args.no_adaptive else " (oracle)" if args.oracle else "")
-            for step in tqdm(range(args.steps), desc=desc, disable=not main_process):
+            for step in tqdm(range(args.steps), desc=f"fine-tuning ({policy})", disable=not main_process):
                 micro_batches = [ids.to(accelerator.device) for ids in next(batches)]
                 if args.oracle:  # every process at once: under expert parallelism the pass dispatches
                     for mb, ids in enumerate(micro_batches):
-                        prov.foresee(mb, ids.numel(), ids.shape[-1], prov.routing(accelerator.unwrap_model(model), input_ids=ids))
+                        prov.foresee(mb, ids.numel(), ids.shape[-1], prov.routing(unwrapped, input_ids=ids))
                 ledger.reset_peak()
                 start, losses = time.perf_counter(), []
                 for ids in micro_batches:
@@ -175,7 +176,6 @@ def main(argv: list[str] | None = None) -> None:
         if prov:
             prov.remove()
 
-    unwrapped = accelerator.unwrap_model(model)
     if recipe.parallel.ep > 1:
         save_expert_parallel(unwrapped, out / "model")
     elif main_process:
@@ -183,7 +183,6 @@ def main(argv: list[str] | None = None) -> None:
     if main_process:
         with contextlib.suppress(data.DataError):  # a checkpoint without a tokenizer: the model alone
             data.load_tokenizer(args.model).save_pretrained(out / "model")
-        policy = "no plugin" if args.no_adaptive else "oracle" if args.oracle else "adaptive"
         title = f"{Path(args.model).name}: {policy}, {n} process(es), {m} x {mbs} x {seq} tokens"
         plot_steps(steps, out / "memory.png", title)
         last = steps[-1]
