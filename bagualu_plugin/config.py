@@ -72,6 +72,11 @@ class Pipeline(_Section):
         description="fused dual-batch execution in the steady phase (§V-B): each forward runs interleaved with the "
         "backward after it and the next micro-batch's recovery; needs pp > 2",
     )
+    overlap_all_to_all: bool | None = Field(
+        default=None,
+        description="at a fused point, each all-to-all of the forward is waited on only after the backward or recovery "
+        "piece the schedule put beside it has run (null, the default: on with dual_batch); false: at once. Needs dual_batch",
+    )
 
     @model_validator(mode="after")
     def _rank_in_pipeline(self) -> Pipeline:
@@ -83,6 +88,8 @@ class Pipeline(_Section):
         elif self.vp > 1 and self.micro_batches % self.pp:
             msg = f"with vp ({self.vp}) > 1, micro_batches ({self.micro_batches}) must be a multiple of pp ({self.pp})"
             problems.append(("vp", f"{msg}: the interleaved schedule runs them in groups of pp"))
+        if self.overlap_all_to_all is not None and not self.dual_batch:
+            problems.append(("overlap_all_to_all", "applies to the fused points of dual_batch, which is off: set dual_batch: true"))
         if self.dual_batch:
             try:
                 check_pipeline(self.pp)

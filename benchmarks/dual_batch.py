@@ -16,17 +16,20 @@ point overlaps nothing (its classes one after another, each a chain).
 
 Then measured: the executor (`runtime.dual_batch`) against the unfused 1F1B driver on CPU, with
 real expert parallelism over 2 gloo processes of one thread each (a tiny GLM-4-MoE, pipeline
-rank 0 of 4, 8 micro-batches, plans that recompute and offload), iterations alternating between
-two copies of the model, each iteration's time that of the slower rank (its median and spread
-over the iterations) and each rank's CPU time, and the DP's cache over the run. The collector
+rank 0 of 4, 8 micro-batches, plans that recompute and offload), the executor twice: each
+all-to-all of a point's forward waited on at once, and waited on only after the backward or
+recovery piece the schedule put beside it (`pipeline.overlap_all_to_all`, the default). The
+modes take turns iteration by iteration on copies of the model; printed: each iteration's time
+that of the slower rank (its median and spread over the iterations), each rank's CPU time and the
+seconds its points' forwards waited on their all-to-alls, and the DP's cache over the run. The collector
 is frozen after set-up and every rank collects between iterations (`collector.ManualCollector`):
 a full collection of the whole heap (0.16-0.18 s here) on either rank stalls both at the next
 all-to-all, and the unfused run, which allocates a whole forward at once, triggered them about
-twice as often. On CPU nothing runs concurrently
-(one stream; gloo's all-to-alls block), so this measures what fusing costs or saves without
-overlap: the piece-wise autograd and the schedule's bookkeeping.
+twice as often. gloo's worker threads move an all-to-all's rows while the
+Python thread runs the work beside it, but on 2 cores the two ranks' compute already fills both,
+so what the work beside an exchange saves here is mostly the wait for the other rank to arrive.
 
-    python benchmarks/dual_batch.py [--iterations 16]   (about 2 min on 2 CPU cores)
+    python benchmarks/dual_batch.py [--iterations 32]   (about 75 s on 2 CPU cores)
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from bagualu_plugin.units import fmt_seconds
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=16, help="measured iterations per schedule (after one warm-up each)")
+    parser.add_argument("--iterations", type=int, default=32, help="measured iterations per schedule (after one warm-up each)")
     args = parser.parse_args()
     if args.iterations < 1:
         parser.error(f"--iterations must be >= 1, got {args.iterations}")
@@ -92,9 +95,16 @@ def main() -> None:
     measured(args.iterations)
 
 
+MODES = {  # name: (dual_batch, pipeline.overlap_all_to_all)
+    "unfused 1F1B": (False, None),
+    "fused, all-to-alls waited at once": (True, False),
+    "fused, backward beside the all-to-alls": (True, None),
+}
+
+
 def _rank(rank: int, size: int, iterations: int) -> dict:
-    """One expert-parallel rank: fused and unfused iterations alternating, on two copies of the
-    model (same weights), each with its Provisioner."""
+    """One expert-parallel rank: the modes' iterations taking turns, on copies of the model (same
+    weights), each with its Provisioner."""
     torch.set_num_threads(1)  # a core per process: two ranks of two threads each on two cores thrash
     batch, seq, m = 2, 64, 8
 
@@ -110,60 +120,70 @@ def _rank(rank: int, size: int, iterations: int) -> dict:
         "hardware": {"preset": "cpu", "capacity_bytes": int(2.4 * keep)},
         "model": ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa").model_dump(),
         "parallel": {"ep": size, "ep_rank": rank, "dp": size},
-        "pipeline": {"pp": 4, "rank": 0, "micro_batches": m, "dual_batch": True},
+        "pipeline": {"pp": 4, "rank": 0, "micro_batches": m},
         "batch": {"seq_len": seq, "micro_batch_size": batch},
         "budget": {"non_activation_bytes": 0},
         "strategies": {"allowed": ["recompute", "offload"], "offload": {"min_bytes": 0}},
     })
-    runs = {}  # the same weights twice, one Provisioner fused and one not
-    for fused in (True, False):
-        copy = model if fused else make()
-        pipeline = recipe.pipeline.model_copy(update={"dual_batch": fused})
-        runs[fused] = copy, apply(copy, recipe.model_copy(update={"pipeline": pipeline}))
+    runs = {}
+    for name, (fused, overlap) in MODES.items():
+        copy = model if not runs else make()
+        pipeline = recipe.pipeline.model_copy(update={"dual_batch": fused, "overlap_all_to_all": overlap})
+        runs[name] = copy, apply(copy, recipe.model_copy(update={"pipeline": pipeline}))
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, model.config.vocab_size, (batch, seq), generator=g) for _ in range(m)]
-    times, cpu = {True: [], False: []}, {True: [], False: []}
+    times, cpu, waited = ({name: [] for name in MODES} for _ in range(3))
     with ManualCollector() as collector:
         for it in range(iterations + 1):  # the first of each: warm-up
-            for fused, (run, prov) in runs.items():
+            for name, (run, prov) in runs.items():
                 torch.distributed.barrier()
                 start, start_cpu = time.perf_counter(), time.process_time()
                 run_iteration(run, batches, prov.stage.schedule, prov)
                 run.zero_grad(set_to_none=True)
                 if it:
-                    times[fused].append(time.perf_counter() - start)
-                    cpu[fused].append(time.process_time() - start_cpu)
+                    times[name].append(time.perf_counter() - start)
+                    cpu[name].append(time.process_time() - start_cpu)
+                    waited[name].append(sum(e.point.waited_s for e in list(prov.events)[-m:] if e.point))
                 collector.step()  # every rank, between the timed iterations
-    prov = runs[True][1]
+    prov = runs["fused, backward beside the all-to-alls"][1]
     points = [e.point for e in prov.events if e.point]
     strategies = sorted({s for e in prov.events for s in e.plan.values()})
     return {
-        "times": times, "cpu": {fused: statistics.median(c) for fused, c in cpu.items()}, "strategies": strategies,
+        "times": times, "cpu": {name: statistics.median(c) for name, c in cpu.items()},
+        "waited": {name: statistics.median(w) for name, w in waited.items()}, "strategies": strategies,
         "hit_rate": sum(p.cache_hit for p in points) / len(points), "points": len(points),
         "predicted": statistics.median(p.serial_s / p.predicted_s for p in points),
         "recovered": sum(p.recovered is not None for p in points),
+        "exchanges": points[-1].exchanges, "beside": points[-1].beside,
     }
 
 
 def measured(iterations: int) -> None:
-    ranks = run_ranks(_rank, 2, iterations, timeout_s=600 + 30 * iterations)
+    ranks = run_ranks(_rank, 2, iterations, timeout_s=600 + 45 * iterations)
     # each iteration's time is the slower rank's
-    slowest = {fused: [max(t) for t in zip(*(r["times"][fused] for r in ranks))] for fused in (True, False)}
-    median = {fused: statistics.median(t) for fused, t in slowest.items()}
-    r = ranks[0]
+    slowest = {name: [max(t) for t in zip(*(r["times"][name] for r in ranks))] for name in MODES}
+    median = {name: statistics.median(t) for name, t in slowest.items()}
+    r, unfused = ranks[0], next(iter(MODES))
     print(f"\nmeasured on CPU: 2 expert-parallel gloo processes, pipeline rank 0 of 4, 8 micro-batches, plans: "
           f"{', '.join(r['strategies'])}; {r['points']} fused points, {r['recovered']} with y+1 recovered ahead; "
-          f"DP cache hit rate {r['hit_rate']:.0%}; {iterations} iterations each, collector frozen")
+          f"DP cache hit rate {r['hit_rate']:.0%}; {iterations} iterations each, collector frozen; at a point x's forward "
+          f"issues {r['exchanges']} all-to-alls, and {', '.join(r['beside'])} ran beside them (the last point)")
     rows = []
-    for fused, name in ((False, "unfused 1F1B"), (True, "fused dual-batch")):
-        t = slowest[fused]
+    for name in MODES:
+        t = slowest[name]
+        paired = [u / v for u, v in zip(slowest[unfused], t)]  # the modes take turns: iteration i of each, side by side
+        low, *_, high = statistics.quantiles(paired, n=10) if len(paired) > 1 else paired * 2
         rows.append([
-            name, f"{median[fused]:.3f}", f"{min(t):.3f}-{max(t):.3f}", f"{median[False] / median[fused]:.2f}x",
-            " / ".join(f"{q['cpu'][fused]:.3f}" for q in ranks), f"{r['predicted']:.2f}x" if fused else "-",
+            name, f"{median[name]:.3f}", f"{min(t):.3f}-{max(t):.3f}", f"{median[unfused] / median[name]:.2f}x",
+            f"{statistics.median(paired):.2f}x ({low:.2f}-{high:.2f}x)",
+            " / ".join(f"{q['cpu'][name]:.3f}" for q in ranks),
+            " / ".join(f"{1e3 * q['waited'][name]:.1f}" for q in ranks) if name != unfused else "-",
+            f"{r['predicted']:.2f}x" if name != unfused else "-",
         ])
     print(table(
-        ["schedule", "s / iteration (median)", "min-max", "vs unfused", "CPU s / iteration, rank 0 / 1 (median)",
-         "predicted point (cost model, CPU preset)"],
+        ["schedule", "s / iteration (median)", "min-max", "vs unfused", "vs unfused, per iteration: median (p10-p90)",
+         "CPU s / iteration, rank 0 / 1 (median)",
+         "ms waited on the points' forward all-to-alls, rank 0 / 1", "predicted point (cost model, CPU preset)"],
         rows,
     ))
 

@@ -118,23 +118,34 @@ def test_a_pipeline_of_two_is_refused_by_name():
         Recipe.from_dict({**_recipe(base, 0, 2.0, ["recompute"]).model_dump(), "pipeline": pipeline})
 
 
+def test_overlap_without_fused_points_is_refused_by_name():
+    base = tiny_model("qwen3_moe", num_hidden_layers=4)
+    with pytest.raises(RecipeError, match=r"pipeline\.overlap_all_to_all: applies to the fused points of dual_batch, which is off"):
+        pipeline = {"pp": 4, "micro_batches": 4, "overlap_all_to_all": False}
+        Recipe.from_dict({**_recipe(base, 0, 2.0, ["recompute"]).model_dump(), "pipeline": pipeline})
+
+
 def _expert_parallel_run(rank: int, size: int) -> dict:
-    """Fused against unfused on 2 expert-parallel ranks, spikes on micro-batches 1 and 4 (their
-    gates defer and escalate; micro-batch 4's layer 2 needs the collective escalation, so both
-    ranks recompute it with its all-to-alls), plans that recompute and offload."""
+    """Fused (its forward's all-to-alls waited on after the work beside them, and at once) against
+    unfused on 2 expert-parallel ranks, spikes on micro-batches 1 and 4 (their gates defer and
+    escalate; micro-batch 4's layer 2 needs the collective escalation, so both ranks recompute it
+    with its all-to-alls), plans that recompute and offload."""
     from bagualu_plugin.adapters import Adapter
     from bagualu_plugin.adapters.gate import RoutingSkew
     from bagualu_plugin.parallel import expert_parallel
 
     batches = [torch.randint(0, 128, (BATCH, SEQ), generator=torch.Generator().manual_seed(1000 + rank + 10 * i)) for i in range(M)]
     out = {}
-    for fused in (False, True):
+    for fused in (False, True, "at once"):
         model = tiny_model("glm4_moe", num_hidden_layers=4)
         model.set_experts_implementation("bagualu")
         expert_parallel(model)
-        recipe = _recipe(model, 0, 1.6, ["recompute", "offload"])
-        recipe = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"ep": size, "ep_rank": rank, "dp": size})})
-        prov = apply(model, _fused(recipe, fused))
+        recipe = _fused(_recipe(model, 0, 1.6, ["recompute", "offload"]), bool(fused))
+        pipeline = recipe.pipeline.model_copy(update={"overlap_all_to_all": fused is True} if fused else {})
+        recipe = recipe.model_copy(update={
+            "parallel": recipe.parallel.model_copy(update={"ep": size, "ep_rank": rank, "dp": size}), "pipeline": pipeline,
+        })
+        prov = apply(model, recipe)
 
         def spike(step, model=model):
             fraction = 1.0 if step.micro_batch in (1, 4) else 0.0
@@ -158,12 +169,19 @@ def _expert_parallel_run(rank: int, size: int) -> dict:
 @pytest.mark.multiprocess
 def test_expert_parallel_ranks_fuse_bitwise_with_spikes():
     hot, cold = ranks = run_ranks(_expert_parallel_run, 2, timeout_s=180)
+    moe_layers = 3  # GLM-4-MoE's first layer is dense: each MoE layer's forward dispatches and combines
     for rank in ranks:
-        plain, fused = rank[False], rank[True]
-        assert torch.equal(fused["losses"], plain["losses"])
-        assert all(torch.equal(fused["grads"][n], g) for n, g in plain["grads"].items())
-        assert fused["plans"] == plain["plans"] and fused["escalations"] == plain["escalations"]
-        assert len(fused["points"]) == M - PP + 1
-        assert fused["together"] == plain["together"] == hot[True]["together"] != set()
-        assert fused["collectives"] == hot[True]["collectives"]  # every rank, the same collectives in the same order
+        plain = rank[False]
+        for fused in (rank[True], rank["at once"]):
+            assert torch.equal(fused["losses"], plain["losses"])
+            assert all(torch.equal(fused["grads"][n], g) for n, g in plain["grads"].items())
+            assert fused["plans"] == plain["plans"] and fused["escalations"] == plain["escalations"]
+            assert len(fused["points"]) == M - PP + 1
+            assert fused["together"] == plain["together"] == hot[True]["together"] != set()
+            assert [p.exchanges for p in fused["points"]] == [2 * moe_layers] * (M - PP + 1)
+        # every rank, the same collectives in the same order, and the same work beside the same exchanges
+        assert rank[True]["collectives"] == hot[True]["collectives"]
+        assert [p.beside for p in rank[True]["points"]] == [p.beside for p in hot[True]["points"]]
+        assert all(p.beside and {i[0] for i in p.beside} <= {"B", "R"} for p in rank[True]["points"])
+        assert not any(p.beside for p in rank["at once"]["points"])
     assert hot[True]["escalations"][1] + hot[True]["escalations"][4] > 0  # the spikes reached the hot rank's gate

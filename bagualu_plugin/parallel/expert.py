@@ -39,6 +39,10 @@ states the tolerance and measures it).
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -111,16 +115,58 @@ class _Route:
     received: list[int]
 
 
+@dataclass
+class Waits:
+    """The all-to-alls issued inside `beside`, and the seconds spent waiting on them once the work
+    beside them had run (host time: on CUDA a wait is a stream dependency and costs the host nothing)."""
+
+    exchanges: int = 0
+    waited_s: float = 0.0
+
+
+_beside = threading.local()  # (work, waits) while inside `beside` on this thread
+
+
+@contextmanager
+def beside(work: Callable[[], object] | None, waits: Waits) -> Iterator[None]:
+    """Inside, every all-to-all this thread issues (dispatch's, combine's) runs `work()` while it is
+    in flight, then waits, counted in `waits`; with `work` None it only waits and counts. The fused
+    executor puts the other micro-batch's backward there (paper §V-B). All-to-alls that `work`
+    issues itself wait at once: the work beside an exchange is never nested."""
+    before = getattr(_beside, "state", None)
+    _beside.state = (work, waits)
+    try:
+        yield
+    finally:
+        _beside.state = before
+
+
 def _all_to_all(group, *exchanges: tuple[torch.Tensor, list[int], list[int]]) -> list[torch.Tensor]:
     """Each (rows, out_splits, in_splits) exchanged over `group`, every one issued before any is
     waited on: the rows and their routing weights travel side by side (gloo's worker threads, or
-    NCCL's stream), not one after the other. Every rank issues them in the same order."""
+    NCCL's stream), not one after the other, and inside `beside` the work given there runs while
+    they travel. Every rank issues them in the same order."""
     outs, works = [], []
     for rows, out_splits, in_splits in exchanges:
         outs.append(rows.new_empty((sum(out_splits), *rows.shape[1:])))
         works.append(dist.all_to_all_single(outs[-1], rows.contiguous(), out_splits, in_splits, group=group, async_op=True))
-    for work in works:
-        work.wait()
+    state = getattr(_beside, "state", None)
+    if state is None:
+        for work in works:
+            work.wait()
+        return outs
+    work, waits = state
+    _beside.state = None
+    try:
+        if work is not None:
+            work()
+        start = time.perf_counter()
+        for w in works:
+            w.wait()
+        waits.exchanges += 1
+        waits.waited_s += time.perf_counter() - start
+    finally:
+        _beside.state = state
     return outs
 
 

@@ -24,16 +24,24 @@ The four classes map to the runtime's mechanisms:
   since every rank runs EP rank 0's order (`_agreed`).
 
 R runs when y+1 is neither x nor x-1 (x - y > 2, §V-B); otherwise y+1 recovers lazily in its own
-backward, as without fusion. On CPU the classes run one after another in the solved order; the
-results are bitwise those of the unfused schedule (tests/test_dual_batch_executor.py).
+backward, as without fusion.
+
+Under expert parallelism F's pieces hold all-to-alls (dispatch, combine), which the DP overlaps
+with the other classes' compute of the same window. Each is issued, the window's next B or R
+item runs while it is in flight (`parallel.expert.beside`), and only then is it waited on, on
+every rank at the same exchange. A backward's own all-to-alls are waited on at once: on CUDA
+autograd runs them on its device thread, where a forward piece could not run. The results are
+bitwise those of the unfused schedule (tests/test_dual_batch_executor.py).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -42,6 +50,7 @@ from torch import nn
 from ..adapters import Adapter
 from ..costmodel.pipeline import stage_layers
 from ..costmodel.plan import Plan
+from ..parallel.expert import Waits, beside
 from ..planner.dual_batch import CLASSES, Schedule, ScheduleCache
 from . import pieces
 from .provisioner import Event, Point, Provisioner
@@ -88,13 +97,13 @@ class _Flight:
     plan: Plan | None = None
 
 
-def _issue_order(schedule: Schedule) -> list[tuple[str, int]]:
-    """(class, stage) as the executor issues them: window by window, a window's reloads (R's even
-    stages) first, so that on CUDA they run on the copy stream under the window's compute, then
-    the rest in F, B, O, R order (`Schedule.order`)."""
+def _issue_order(schedule: Schedule) -> list[tuple[str, int, int]]:
+    """(class, stage, window) as the executor issues them: window by window, a window's reloads
+    (R's even stages) first, so that on CUDA they run on the copy stream under the window's
+    compute, then the rest in F, B, O, R order (`Schedule.order`)."""
     order = []
-    for window in schedule.windows:
-        run = [(CLASSES[c], s) for c, (a, b) in enumerate(window) for s in range(a, b)]
+    for w, window in enumerate(schedule.windows):
+        run = [(CLASSES[c], s, w) for c, (a, b) in enumerate(window) for s in range(a, b)]
         order += sorted(run, key=lambda item: item[0] != "R" or item[1] % 2 == 1)
     return order
 
@@ -103,10 +112,12 @@ class DualBatchExecutor:
     """Runs a pipeline rank's forwards, backwards and fused steady points on `stage`, with
     `provisioner` (optional: without it a point runs in program order, F then B per block). It
     keeps the micro-batches in flight and the points' schedules (the DP's, cached block by
-    block); the Provisioner budgets and plans each forward and never calls back."""
+    block); the Provisioner budgets and plans each forward and never calls back. `overlap`: at a
+    point, an all-to-all of x's forward waits only after the backward or recovery piece the
+    schedule put beside it has run (False: it is waited on at once; the tally is kept either way)."""
 
-    def __init__(self, stage: StagePieces, provisioner: Provisioner | None = None):
-        self.stage, self.provisioner = stage, provisioner
+    def __init__(self, stage: StagePieces, provisioner: Provisioner | None = None, overlap: bool = True):
+        self.stage, self.provisioner, self.overlap = stage, provisioner, overlap
         self._flights: dict[int, _Flight] = {}
         self.start()
         self.schedules = ScheduleCache(provisioner.stage.chunks, provisioner.stage.options) if provisioner else None
@@ -116,7 +127,7 @@ class DualBatchExecutor:
         """The executor an engine runs `provisioner`'s stage through, made (from `stage()`) the first
         time: its schedules outlive an iteration, as the stage does."""
         if provisioner.executor is None:
-            provisioner.executor = cls(stage(), provisioner)
+            provisioner.executor = cls(stage(), provisioner, provisioner.stage.recipe.pipeline.overlap_all_to_all is not False)
         return provisioner.executor
 
     def start(self, around: Around | None = None) -> None:
@@ -157,8 +168,11 @@ class DualBatchExecutor:
         # RoPE tables it makes, runs inside its first layer's piece); pieces are the stage's
         blocks = list(self.provisioner.stage.cost.blocks) if self.provisioner else self.stage.blocks
         piece = {block: k for k, block in enumerate(self.stage.blocks)}
-        last, out, order = len(self.stage.blocks) - 1, None, self._agreed(_issue_order(schedule))
-        for kind, s in order:
+        last, out, ran, taken, waits = len(self.stage.blocks) - 1, None, [], [], Waits()
+
+        def run(kind: str, s: int) -> None:
+            nonlocal out
+            ran.append(f"{kind}{s}")
             block = blocks[s] if kind in "FO" else blocks[len(blocks) - 1 - (s // 2 if kind == "R" else s)]
             if kind == "F" and block in piece:
                 self._forward_piece(x, piece[block])
@@ -168,15 +182,43 @@ class DualBatchExecutor:
                 self._backward_piece(y, piece[block], grad)
             elif kind == "R" and recovered is not None:
                 self._recover(recovered, block, reload=s % 2 == 0)
+
+        queue = deque(self._agreed(_issue_order(schedule)))
+        while queue:
+            kind, s, window = queue.popleft()
+            if kind != "F":
+                run(kind, s)
+                continue
+            work = partial(self._beside_exchange, queue, window, "B" if recovered is None else "BR", run, taken) if self.overlap else None
+            with beside(work, waits):
+                run(kind, s)
         if out is None or y in self._flights and any(o is not None for o in self._flights[y].outputs):
             raise RuntimeError(f"point({x}, {y}): the schedule's blocks {blocks} do not cover the stage's pieces {self.stage.blocks}")
         flight = self._flights[x]
         grad_in = self._end_backward(y)
         if flight.event is not None:
-            flight.event.point = Point(y, recovered, [f"{c}{s}" for c, s in order], schedule.time_s, schedule.serial_s, hit, solve_s)
+            flight.event.point = Point(
+                y, recovered, ran, schedule.time_s, schedule.serial_s, hit, solve_s, taken, waits.exchanges, waits.waited_s
+            )
         return out, grad_in
 
-    def _agreed(self, order: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    @staticmethod
+    def _beside_exchange(queue: deque, window: int, kinds: str, run: Callable[[str, int], None], taken: list[str]) -> None:
+        """While an all-to-all of x's forward piece is in flight: the next item of `kinds` (B, and R
+        when a micro-batch is recovered; O issues nothing here) that the schedule put in the same
+        window, taken out of the queue and run (`window_time` overlaps a class's all-to-alls with the
+        others' compute). Every rank takes the same item at the same exchange: they run one order
+        (`_agreed`) and issue the same all-to-alls."""
+        for i, (kind, s, w) in enumerate(queue):
+            if w != window:
+                return
+            if kind in kinds:
+                del queue[i]
+                run(kind, s)
+                taken.append(f"{kind}{s}")
+                return
+
+    def _agreed(self, order: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
         """Under expert parallelism every rank of the group runs EP rank 0's order: F and B pieces
         hold all-to-alls that every rank must issue in the same order, and each rank's plans (so
         its solved order) follow its own routing."""

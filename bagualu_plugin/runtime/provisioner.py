@@ -54,9 +54,11 @@ INSTALLED_ATTR = "_bagualu_provisioner"  # on the HF model while a Provisioner i
 @dataclass(frozen=True)
 class Point:
     """A fused steady scheduling point F_x B_y as it ran (paper §V-B, `runtime.dual_batch`): y, the
-    micro-batch recovered ahead (None: none), the order of (class, stage) issued, the DP's
+    micro-batch recovered ahead (None: none), the (class, stage) items in the order they ran (one
+    run beside an all-to-all of x's forward comes before that forward piece ends), the DP's
     predicted time and the classes' serial time, whether every block's schedule came from the
-    cache, and the seconds finding it took."""
+    cache, the seconds finding it took, the items run beside an all-to-all of x's forward, and
+    those all-to-alls: how many, and the seconds x waited on them once the work beside them had run."""
 
     backward: int
     recovered: int | None
@@ -65,6 +67,9 @@ class Point:
     serial_s: float
     cache_hit: bool
     solve_s: float
+    beside: list[str]
+    exchanges: int
+    waited_s: float
 
 
 @dataclass
