@@ -113,6 +113,13 @@ def test_model_disagreeing_with_nanotron(tmp_path):
         load(tmp_path, nanotron_dict(bagualu=inline))
 
 
+def test_overlap_of_all_to_alls_follows_the_fused_points(tmp_path):
+    config = load(tmp_path, nanotron_dict(pp=4, bagualu={**INLINE, "dual_batch": True, "overlap_all_to_all": False}))
+    assert recipe_for(config, pp_rank=0).pipeline.overlap_all_to_all is False
+    with pytest.raises(RecipeError, match=r"bagualu\.overlap_all_to_all: applies to the fused points of bagualu\.dual_batch, which is off"):
+        load(tmp_path, nanotron_dict(pp=4, bagualu={**INLINE, "overlap_all_to_all": False}))
+
+
 def test_unknown_key_in_section(tmp_path):
     with pytest.raises(Exception, match="recompute_everything"):
         load(tmp_path, nanotron_dict(bagualu={**INLINE, "recompute_everything": True}))

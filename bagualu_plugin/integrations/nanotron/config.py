@@ -73,6 +73,7 @@ class BagualuArgs:
 
     enabled: bool = False
     dual_batch: bool = False  # the recipe's pipeline.dual_batch: fused steady points (§V-B)
+    overlap_all_to_all: bool | None = None  # the recipe's pipeline.overlap_all_to_all (default: on with dual_batch)
     metrics_path: str | None = None
     manual_gc: bool = True  # the launcher's collector frozen after set-up, every rank collecting at each iteration's end
     recipe: str | None = None
@@ -136,6 +137,9 @@ def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
             check_pipeline(par.pp)
         except ValueError as exc:
             raise RecipeError(_SOURCE, [("bagualu.dual_batch", str(exc))]) from None
+    if args.overlap_all_to_all is not None and not (args.dual_batch or data.get("pipeline", {}).get("dual_batch")):
+        msg = "applies to the fused points of bagualu.dual_batch, which is off: set dual_batch: true"
+        raise RecipeError(_SOURCE, [("bagualu.overlap_all_to_all", msg)])
     if tokens is None:
         raise RecipeError(_SOURCE, [("tokens", "required with a bagualu section (sequence length, micro-batches), but missing")])
     ep = getattr(par, "expert_parallel_size", 1)
@@ -168,6 +172,7 @@ def recipe_for(config: Config, pp_rank: int, ep_rank: int = 0) -> Recipe:
         "pipeline": {
             **data.get("pipeline", {}), "pp": par.pp, "rank": pp_rank, "micro_batches": tokens.batch_accumulation_per_replica,
             **({"dual_batch": True} if args.dual_batch else {}),
+            **({"overlap_all_to_all": args.overlap_all_to_all} if args.overlap_all_to_all is not None else {}),
         },
         "batch": {"seq_len": tokens.sequence_length, "micro_batch_size": tokens.micro_batch_size},
         "parallel": {**data.get("parallel", {}), "dp": par.dp * ep, "tp": par.tp, "ep": ep, "ep_rank": ep_rank},
