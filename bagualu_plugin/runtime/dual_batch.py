@@ -29,9 +29,11 @@ backward, as without fusion.
 Under expert parallelism F's pieces hold all-to-alls (dispatch, combine), which the DP overlaps
 with the other classes' compute of the same window. Each is issued, the window's next B or R
 item runs while it is in flight (`parallel.expert.beside`), and only then is it waited on, on
-every rank at the same exchange. A backward's own all-to-alls are waited on at once: on CUDA
-autograd runs them on its device thread, where a forward piece could not run. The results are
-bitwise those of the unfused schedule (tests/test_dual_batch_executor.py).
+every rank at the same exchange. A backward's own all-to-alls are waited on at once: a forward
+piece run inside autograd's engine would be taken for a replay (`adapters.is_inside_backward`:
+the gate decides nothing there, regions run plainly), and on CUDA it would run on autograd's
+device thread. The results are bitwise those of the unfused schedule
+(tests/test_dual_batch_executor.py).
 """
 
 from __future__ import annotations
