@@ -150,23 +150,19 @@ def _all_to_all(group, *exchanges: tuple[torch.Tensor, list[int], list[int]]) ->
     for rows, out_splits, in_splits in exchanges:
         outs.append(rows.new_empty((sum(out_splits), *rows.shape[1:])))
         works.append(dist.all_to_all_single(outs[-1], rows.contiguous(), out_splits, in_splits, group=group, async_op=True))
-    state = getattr(_beside, "state", None)
-    if state is None:
-        for work in works:
-            work.wait()
-        return outs
-    work, waits = state
-    _beside.state = None
-    try:
-        if work is not None:
+    work, waits = getattr(_beside, "state", None) or (None, None)
+    if work is not None:
+        _beside.state = None  # the work's own all-to-alls wait at once
+        try:
             work()
-        start = time.perf_counter()
-        for w in works:
-            w.wait()
+        finally:
+            _beside.state = (work, waits)
+    start = time.perf_counter()
+    for handle in works:
+        handle.wait()
+    if waits is not None:
         waits.exchanges += 1
         waits.waited_s += time.perf_counter() - start
-    finally:
-        _beside.state = state
     return outs
 
 
