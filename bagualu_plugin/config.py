@@ -366,7 +366,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def builtin_recipes() -> dict[str, Path]:
     """Recipes shipped in the package: family recipes and the paper's cluster presets (Table II)."""
-    root = Path(str(files("bagualu_plugin.recipes") / "bagualu"))
+    root = Path(str(files("bagualu_plugin") / "recipes" / "bagualu"))
     return {p.stem: p for p in [*sorted(root.glob("*.yaml")), *sorted(root.glob("cluster/*.yaml"))]}
 
 

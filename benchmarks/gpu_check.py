@@ -33,7 +33,6 @@ from collections import deque
 from collections.abc import Callable
 
 import torch
-from bagualu_plugin.kernels import reference as ref
 
 import bagualu_plugin as bgl
 from bagualu_plugin import kernels
@@ -42,6 +41,7 @@ from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.costmodel import OpId
 from bagualu_plugin.costmodel.mitigation import MitigationOptions
 from bagualu_plugin.costmodel.plan import Plan
+from bagualu_plugin.kernels import reference as ref
 from bagualu_plugin.report import table
 from bagualu_plugin.runtime.ledger import _storage
 from bagualu_plugin.runtime.plan_runtime import PlanRuntime

@@ -143,6 +143,13 @@ def relative_error(values, reference, floor: float = 0.0) -> float:
     return (num / sum((r.float().norm() ** 2).item() for r in reference)) ** 0.5
 
 
+def origin_of(rank: int, size: int, name: str) -> str:
+    """Where a rank finds the module `name` (a file), as `run_ranks` runs it."""
+    import importlib.util
+
+    return importlib.util.find_spec(name).origin
+
+
 def _jobs(rank: int, size: int, jobs: list[tuple[str, Callable, tuple]]) -> dict:
     start = torch.get_rng_state()
     out = {}

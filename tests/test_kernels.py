@@ -1,4 +1,4 @@
-"""Blockwise quantisation of saved activations (kernels/, paper §IV-B): the torch reference against
+"""Blockwise quantisation of saved activations (bagualu_plugin/kernels/, paper §IV-B): the torch reference against
 error bounds derived from the formats, the Triton kernels against the reference (bit for bit
 except where the Triton interpreter's casts are known to be wrong; see each test)."""
 
@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-from bagualu_plugin.kernels import reference as ref
-from bagualu_plugin.kernels import triton_quant
 
 from bagualu_plugin import kernels
+from bagualu_plugin.kernels import reference as ref
+from bagualu_plugin.kernels import triton_quant
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SUBNORMAL = 2**-6  # smallest normal e4m3 magnitude; |x| / scale below it falls on the 2^-9 grid

@@ -1,6 +1,8 @@
-"""The wheel as a package index ships it: every package of the source tree, the folders mapped into
-bagualu_plugin (recipes/, kernels/) with the recipes' YAML, and nothing else at the top level. An
-editable install imports the source folders, which once hid a wheel without bagualu_plugin.sim."""
+"""The wheel as a package index ships it: every package of the source tree and the recipes' YAML
+(recipes/, linked into the package), nothing else at the top level. An editable install imports the
+source folders, which once hid a wheel without bagualu_plugin.sim. And no folder of the repository
+shadows an installed package for a process started at its root: a `kernels/` package there once
+took the place of HF's `kernels`, which transformers >= 5.25 imports, in every such process."""
 
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = {"recipes": "bagualu_plugin/recipes", "kernels": "bagualu_plugin/kernels"}  # source folder -> where the wheel has it
 TOP_LEVEL = {"bagualu_plugin", "bagualu_plugin-0.1.0.dist-info"}
 
 pytestmark = pytest.mark.multiprocess  # every test reads the wheel `pip wheel` builds in a subprocess
@@ -21,14 +22,11 @@ pytestmark = pytest.mark.multiprocess  # every test reads the wheel `pip wheel` 
 
 def expected_files(root: Path) -> set[str]:
     """Wheel paths of every module of every package (a folder with an __init__.py) under
-    bagualu_plugin/ and the mapped folders, and of every recipe YAML."""
-    places = {"bagualu_plugin": "bagualu_plugin", **MAPPED}
+    bagualu_plugin/, and of every recipe YAML (the repository's recipes/, shipped as bagualu_plugin/recipes/)."""
     files = set()
-    for folder, target in places.items():
-        for init in (root / folder).rglob("__init__.py"):
-            files |= {f"{target}/{p.relative_to(root / folder).as_posix()}" for p in init.parent.glob("*.py")}
-    files |= {f"{MAPPED['recipes']}/{p.relative_to(root / 'recipes').as_posix()}" for p in (root / "recipes").rglob("*.yaml")}
-    return files
+    for init in (root / "bagualu_plugin").rglob("__init__.py"):
+        files |= {p.relative_to(root).as_posix() for p in init.parent.glob("*.py")}
+    return files | {f"bagualu_plugin/{p.relative_to(root).as_posix()}" for p in (root / "recipes").rglob("*.yaml")}
 
 
 def wheel_problems(names: list[str], root: Path) -> list[str]:
@@ -73,3 +71,29 @@ def test_a_wheel_without_a_package_or_with_stray_folders_is_caught(wheel_names):
     assert "missing bagualu_plugin/sim/__init__.py" in wheel_problems(without_sim, ROOT)
     stray = wheel_problems([*wheel_names, "kernels/__init__.py", "tests/test_sim.py"], ROOT)
     assert stray == ["outside the package: kernels", "outside the package: tests"]
+
+
+def test_no_folder_at_the_root_is_a_package_but_the_plugin():
+    """A regular package at the repository root is imported, under its folder's name, by every
+    process whose sys.path starts with the working directory (python -c, multiprocessing's
+    forkserver, pytest-xdist's workers), ahead of an installed package of that name."""
+    packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+    assert packages == ["bagualu_plugin"]
+    assert (ROOT / "bagualu_plugin" / "recipes").resolve() == ROOT / "recipes"
+
+
+def test_transformers_and_the_plugin_import_at_the_repository_root():
+    """transformers' activations import HF's `kernels` where it is installed (transformers >= 5.25
+    depends on it). Started at the repository root, `python -c` and a rank of `run_ranks` (whose
+    forkserver imports the plugin, transformers with it) must find HF's, never a folder of ours."""
+    code = (
+        "import importlib.util, sys, transformers.activations, bagualu_plugin\n"
+        "from bagualu_plugin.parallel.launch import run_ranks\n"
+        "sys.path.append('tests')\n"  # after '', the working directory, which stays first
+        "from helpers import origin_of\n"
+        "print(importlib.util.find_spec('kernels').origin, *run_ranks(origin_of, 1, 'kernels', timeout_s=60))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    here, in_rank = done.stdout.split()
+    assert here == in_rank and "site-packages" in here and not here.startswith(str(ROOT / "kernels")), done.stdout

@@ -1,1 +1,0 @@
-"""Built-in recipes, shipped inside the package as `bagualu_plugin.recipes`."""
