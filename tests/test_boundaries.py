@@ -3,7 +3,8 @@ plain Accelerate loop with only `bgl.apply(model, {"hardware": {"capacity_bytes"
 train bitwise as without it, under a capacity the unplanned run exceeds; evaluation, `generate`,
 a forward that never goes backward and a step that raises leave nothing behind; PEFT's nested
 forward counts once; a larger micro-batch than any before is checked against the capacity; the
-optimizer's state re-bases the budget at its first step."""
+optimizer's state re-bases the budget at its first step; a model never put in training mode
+(`from_pretrained` returns it in eval mode) is provisioned all the same."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import bagualu_plugin as bgl
-from bagualu_plugin.adapters import tiny_model
+from bagualu_plugin.adapters import save_tiny, tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.runtime import Ledger
 from bagualu_plugin.runtime.regions import same, top_hooks
@@ -84,6 +85,27 @@ def test_a_plain_loop_trains_bitwise_under_the_capacity():
     assert any(e.plan for e in events) and prov.peak_device_bytes <= capacity
     assert _static(stock) + ledger.peak_device_bytes > capacity  # the stock loop would not fit
     assert prov.stage.static_bytes == _static(stock)  # re-based at the optimizer's first step
+
+
+def test_a_model_never_put_in_training_mode_is_provisioned(tmp_path):
+    """`from_pretrained` returns a model in eval mode; a loop that trains it without `train()`
+    (grad enabled, backward, optimizer steps) still runs micro-batches, planned as any other."""
+    from transformers import AutoModelForCausalLM
+
+    save_tiny("qwen3_moe", tmp_path, num_hidden_layers=4)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+
+    model = load()
+    assert not model.training
+    capacity = _capacity(model)
+    prov = bgl.apply(model, {"hardware": {"capacity_bytes": capacity}, "strategies": EXACT})
+    ours = _train(model)
+    events = list(prov.events)
+    prov.remove()
+    _same(ours, _train(load()))
+    assert len(events) == STEPS * M and any(e.plan for e in events) and prov.peak_device_bytes <= capacity
 
 
 def test_the_optimizer_state_rebases_the_budget_at_its_first_step():

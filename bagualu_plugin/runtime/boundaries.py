@@ -2,9 +2,11 @@
 accumulation under HF Trainer / TRL, Accelerate, DDP, FSDP or a plain loop), so no training loop
 has to change.
 
-- It begins at the HF model's forward, when the model is training and gradients are enabled (an
-  evaluation, `generate` or a forward under `torch.no_grad` is not a micro-batch), and not inside
-  another one's forward (PEFT's wrapper calling the base model counts once) or backward.
+- It begins at the HF model's forward when gradients are enabled and the model has a parameter
+  that requires them, whatever `model.training` says (`from_pretrained` returns a model in eval
+  mode, and a loop that never calls `train()` still trains it); an evaluation, `generate` or a
+  forward under `torch.no_grad` is not a micro-batch. Not inside another one's forward (PEFT's
+  wrapper calling the base model counts once) or backward.
 - Its forward ends where the HF forward returns (the loss is computed inside it).
 - Its backward ends when autograd has finished the graph its outputs belong to: a callback queued
   on the autograd engine from the outputs' `grad_fn`, as DDP finalises its reduction.
@@ -53,7 +55,7 @@ class Boundaries:
         prov = self._prov
         if self._depth > 1 or self._explicit or prov._forward is not None:
             return  # nested, or a micro-batch someone else began
-        if not (model.training and torch.is_grad_enabled()) or is_inside_backward():
+        if not torch.is_grad_enabled() or is_inside_backward() or not _trainable(model):
             return
         tokens, seq_len = _shape(model, args, kwargs)
         self._fresh()
@@ -153,6 +155,11 @@ class Boundaries:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _trainable(model: nn.Module) -> bool:
+    """Whether a parameter of `model` requires gradients (a frozen model's forward goes nowhere)."""
+    return any(p.requires_grad for p in model.parameters())
 
 
 def _shape(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:

@@ -91,10 +91,19 @@ def install_loss_runner(adapter: Adapter, needed: Callable[[], bool], region: Re
         return runner(hidden, labels, **kwargs)
 
     had, previous = "_loss_function" in model.__dict__, model.__dict__.get("_loss_function")
-    model.loss_function = loss_function
+    model.loss_function = loss_function  # HF's property sets the instance's _loss_function
+
+    def take_back() -> None:
+        """Only what is still ours: a loss function set after ours stays."""
+        if model.__dict__.get("_loss_function") is loss_function:
+            if had:
+                model._loss_function = previous
+            else:
+                del model._loss_function
+
     setattr(model, HEAD_ATTR, runner)
     stack.callback(delattr, model, HEAD_ATTR)
-    stack.callback(lambda: setattr(model, "_loss_function", previous) if had else delattr(model, "_loss_function"))
+    stack.callback(take_back)
     stack.callback(model.register_forward_pre_hook(arm, with_kwargs=True).remove)
     stack.callback(model.register_forward_hook(disarm).remove)
     stack.callback(adapter.decoder.norm.register_forward_hook(take_hidden).remove)

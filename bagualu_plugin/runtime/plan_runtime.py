@@ -33,7 +33,7 @@ from ..costmodel.plan import Block, Plan
 from .head import install_loss_runner
 from .hooks import SavedTensorHooks
 from .ledger import Ledger, _storage
-from .regions import SpanSaves, bagualu_experts, recompute, top_hooks
+from .regions import SpanSaves, bagualu_experts, region, top_hooks
 from .storage import HostPool
 
 
@@ -154,31 +154,54 @@ class PlanRuntime:
             self.hooks.layer_inputs(module, args, kwargs)
 
     def _wrap(self, module: nn.Module, layer: int, unit: tuple[str, ...], stack: ExitStack) -> None:
-        """Route `module`'s forward through a checkpoint while its unit or span is a recompute
-        region. Regions never nest, so a module that a region's replay runs again ran plainly in
-        the forward; it does so again, whatever the plan is by then (in 1F1B the next micro-batch
-        is planned before this one's backward)."""
-        had, previous = "forward" in module.__dict__, module.__dict__.get("forward")
-        forward = module.forward
-        module.forward = lambda *args, **kwargs: self._run(module, layer, unit, forward, args, kwargs)
-        stack.callback(lambda: setattr(module, "forward", previous) if had else delattr(module, "forward"))
+        """Run `module` as a recompute region while its unit or span is one: a forward pre-hook
+        opens the region around whatever forward the module has then, a forward hook (always
+        called, also when the forward raises) closes it. Hooks, never a replaced `forward`: other
+        libraries set a module's forward on the instance or its class before or after us
+        (transformers' `kernelize`, at every `train()` / `eval()` where kernels are on; class
+        patches), and removing the hooks takes back exactly what was ours. Regions never nest,
+        so a module that a region's replay runs again ran plainly in the forward; it does so
+        again, whatever the plan is by then (in 1F1B the next micro-batch is planned before this
+        one's backward)."""
+        opened: list[ExitStack | None] = []  # per call of the module, innermost last
+
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            opened.append(None)  # first: `leave` runs also when opening raises
+            opened[-1] = self._open(module, layer, unit, module.forward, args, kwargs)
+
+        def leave(*_) -> None:
+            region = opened.pop()
+            if region is not None:
+                region.close()
+
+        stack.callback(module.register_forward_pre_hook(enter, with_kwargs=True).remove)
+        stack.callback(module.register_forward_hook(leave, always_call=True).remove)
 
     def _run(self, module: nn.Module, layer: int, unit: tuple[str, ...], forward, args: tuple, kwargs: dict):
         """`forward(*args, **kwargs)`, as a recompute region if the plan makes `unit` one now."""
-        region = self._regions.get((layer, unit))
-        if region is None or not self._forwarding or not torch.is_grad_enabled() or is_inside_backward():
+        region = self._open(module, layer, unit, forward, args, kwargs)
+        if region is None:
             return forward(*args, **kwargs)
+        with region:
+            return forward(*args, **kwargs)
+
+    def _open(self, module: nn.Module, layer: int, unit: tuple[str, ...], forward, args: tuple, kwargs: dict) -> ExitStack | None:
+        """The recompute region of `unit`, entered, if the plan makes it one now (None: run
+        plainly): the caller runs `forward(*args, **kwargs)` inside, then closes it."""
+        dropped_ops = self._regions.get((layer, unit))
+        if dropped_ops is None or not self._forwarding or not torch.is_grad_enabled() or is_inside_backward():
+            return None
 
         def dropped() -> bool:
             op = self.tracker.current
             return op is not None and op.layer == layer and op.name in self._regions.get((layer, unit), ())
 
-        saves = nullcontext if region == set(unit) else SpanSaves(dropped)
-        with self._holding():
-            output, frame = recompute(module, forward, self.adapter.config, args, kwargs, saves)
+        saves = nullcontext if dropped_ops == set(unit) else SpanSaves(dropped)
+        stack = ExitStack()
+        frame = stack.enter_context(region(module, forward, self.adapter.config, args, kwargs, saves, self._holding()))
         frames = self._frames.setdefault(self.ledger.micro_batch, {})  # weakly: a frame dies with its graph
         frames[layer] = [*(ref for ref in frames.get(layer, ()) if ref() is not None), weakref.ref(frame)]
-        return output
+        return stack
 
     def recover(self, micro_batch: int | None, layer: int) -> None:
         """The recovery of `layer` for `micro_batch`'s backward, run ahead of it: its host copies

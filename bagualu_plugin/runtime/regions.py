@@ -7,14 +7,14 @@ save through the plan's hooks (`SpanSaves`). The region's inputs are held as the
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..adapters.experts import IMPLEMENTATION
-from .replay import Frame, checkpoint
+from .replay import Frame, recording
 
 
 @contextmanager
@@ -92,16 +92,25 @@ class SpanSaves:
             yield
 
 
-def recompute(
-    module: nn.Module, forward: Callable, config, args: tuple, kwargs: dict, saves: Callable = nullcontext
-) -> tuple[object, Frame]:
-    """`forward(*args, **kwargs)` of `module` run under our checkpoint, its saves routed by
-    `saves()` (a `SpanSaves`; by default all are the checkpoint's): its output and its frame.
+@contextmanager
+def region(
+    module: nn.Module,
+    forward: Callable,
+    config,
+    args: tuple,
+    kwargs: dict,
+    saves: Callable = nullcontext,
+    holding: AbstractContextManager = nullcontext(),
+) -> Iterator[Frame]:
+    """Inside, `forward(*args, **kwargs)` of `module` runs as a recompute region (the caller runs
+    it: a runner, or torch between a module's hooks), its saves routed by `saves()` (a
+    `SpanSaves`; by default all are the region's frame's), under our checkpoint: yields the frame.
 
     Every tensor the forward receives, keyword arguments and tuples (RoPE tables) included, is
-    handed to the checkpoint, which saves them for backward, where the Ledger sees them; the
-    replay holds no other reference to them. It runs the experts as the forward did, even after
-    the runtime has been removed.
+    handed to the frame, which saves it for backward through the hooks of `holding` (those in
+    force outside, by default), where the Ledger sees it; the replay holds no other reference to them.
+    It runs `forward` as the forward did, with the experts the forward ran, even after the
+    runtime has been removed.
     """
     if any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "past_key_value")):
         raise ValueError(
@@ -110,7 +119,7 @@ def recompute(
         )
     leaves, spec = tree_flatten((args, kwargs))
     where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    inputs = [leaves[i] for i in where]
+    inputs = tuple(leaves[i] for i in where)
     for i in where:
         leaves[i] = None
 
@@ -122,5 +131,9 @@ def recompute(
         with bagualu_experts(config), saves():
             return forward(*a, **kw)
 
-    return checkpoint(run, *inputs)
-
+    with ExitStack() as stack:
+        stack.enter_context(holding)  # under the frame's hooks: only the frame's saves of the inputs see it
+        frame = stack.enter_context(recording(run, inputs))
+        stack.enter_context(bagualu_experts(config))
+        stack.enter_context(saves())
+        yield frame

@@ -133,9 +133,11 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def checkpoint(run: Callable, *inputs: torch.Tensor) -> tuple[object, Frame]:
-    """`run(*inputs)` as a recompute region: its output, and its frame (to replay it early)."""
+@contextmanager
+def recording(run: Callable, inputs: tuple[torch.Tensor, ...]) -> Iterator[Frame]:
+    """Inside, a recompute region's forward runs (the caller runs it, as `run(*inputs)` would, or
+    torch runs a module between the hooks that enter and leave the block): every save becomes a
+    handle of the yielded frame, which replays `run(*inputs)` for backward."""
     frame = Frame(run, inputs)
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
-        return run(*inputs), frame
-
+        yield frame

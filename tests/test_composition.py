@@ -1,0 +1,147 @@
+"""What the plugin installs on a model composes with what other libraries install on the same
+modules: a forward set on the instance (transformers' `kernelize`, run by `from_pretrained` and
+again at every `train()` / `eval()` where kernels are on) or on the class (Liger-style patches),
+before or after the plugin, and one replaced mid-run. The recompute regions run whatever forward is
+in force, gradients stay bitwise, and `remove()` takes back exactly what was ours."""
+
+import pytest
+import torch
+from torch import nn
+
+from bagualu_plugin.adapters import tiny_model
+from bagualu_plugin.costmodel import OpId
+from bagualu_plugin.costmodel.plan import Plan
+from bagualu_plugin.runtime.plan_runtime import PlanRuntime
+
+IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+# norms (hub-kernel layers in transformers >= 5.25), an attention span and the LM head's loss
+PLAN = Plan({OpId(1, "attn_norm"): "recompute", OpId(1, "mlp_norm"): "recompute", OpId(0, "attn_core"): "recompute"})
+
+
+def _state(model) -> list:
+    """Every module's instance attributes (its hooks among them) but its forward, as another
+    library or the plugin leaves them."""
+    return [{k: v for k, v in vars(m).items() if k != "forward"} for m in model.modules()]
+
+
+def _instance_forwards(model) -> dict:
+    return {name: m.__dict__["forward"] for name, m in model.named_modules() if "forward" in m.__dict__}
+
+
+def _step(model, runtime: PlanRuntime | None):
+    """Loss, gradients and the bytes the forward kept (with a runtime) of one micro-batch."""
+    model.zero_grad(set_to_none=True)
+    if runtime is None:
+        loss = model(input_ids=IDS, labels=IDS).loss
+        kept = None
+    else:
+        runtime.ledger.micro_batch = 0
+        with runtime.forward():
+            loss = model(input_ids=IDS, labels=IDS).loss
+        kept = runtime.ledger.by_micro_batch().get(0, 0)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], kept
+
+
+KERNEL_CALLS = []
+
+
+class RMSNorm(nn.Module):
+    """A local hub kernel for transformers' RMSNorm layers: their math, counting its calls."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        KERNEL_CALLS.append(self)
+        x = hidden_states.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(hidden_states.dtype)
+
+
+class LocalRepository:
+    """A kernel mapping's repository that loads the layer above (no hub, no build)."""
+
+    layer_name = "RMSNorm"
+
+    def load(self) -> type[nn.Module]:
+        return RMSNorm
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LocalRepository)
+
+    def __hash__(self) -> int:
+        return hash(LocalRepository)
+
+
+def _kernelize(model, kernel: bool) -> None:
+    """transformers' `kernelize` as `from_pretrained` and every `train()` / `eval()` with kernels on
+    run it: with a kernel for the device it sets each RMSNorm's forward on the instance, without
+    one (its fallback) it takes the instance's forward away."""
+    kernels = pytest.importorskip("kernels")
+    with kernels.use_kernel_mapping({"RMSNorm": {"cpu": LocalRepository()}} if kernel else {}, inherit_mapping=False):
+        kernels.kernelize(model, mode=kernels.Mode.TRAINING, device="cpu")
+
+
+def test_regions_survive_kernelize_before_and_after_install():
+    model = tiny_model("qwen3_moe")
+    _kernelize(model, kernel=True)
+    loss, grads, _ = _step(model, None)
+    bare = _state(model)
+    runtime = PlanRuntime(model).install()
+    runtime.set_plan(Plan())
+    _, _, keep = _step(model, runtime)
+    runtime.set_plan(PLAN)
+    recomputed = model.model.layers[1].input_layernorm
+    for kernel in (True, False, True):  # kernelized again after the install, as train() / eval() do
+        _kernelize(model, kernel)
+        KERNEL_CALLS.clear()
+        got_loss, got_grads, kept = _step(model, runtime)
+        assert torch.equal(got_loss, loss) and all(torch.equal(a, b) for a, b in zip(got_grads, grads))
+        assert kept < keep  # the regions ran
+        assert KERNEL_CALLS.count(recomputed) == (2 if kernel else 0)  # the kernel in force, forward and replay
+    after = _instance_forwards(model)
+    assert after and all(forward.__func__ is RMSNorm.forward for forward in after.values())
+    runtime.remove()
+    assert _state(model) == bare
+    assert _instance_forwards(model) == after  # kernelize's last, neither ours nor stale ones
+
+
+def test_a_forward_replaced_on_the_instance_or_the_class_mid_run_is_the_one_replayed():
+    model = tiny_model("qwen3_moe")
+    loss, grads, _ = _step(model, None)
+    runtime = PlanRuntime(model).install()
+    runtime.set_plan(PLAN)
+    norm = model.model.layers[1].input_layernorm
+    norm_class = type(norm)
+    calls = []
+    original = norm_class.forward
+    try:
+        norm.forward = lambda hidden: calls.append("instance") or original(norm, hidden)
+        got_loss, got_grads, _ = _step(model, runtime)
+        assert calls == ["instance", "instance"]  # the forward, then the region's replay
+        del norm.forward
+        calls.clear()
+        norm_class.forward = lambda self, hidden: calls.append(self) or original(self, hidden)
+        got_loss2, got_grads2, _ = _step(model, runtime)
+        assert calls.count(norm) == 2  # every norm of the class ran it; the recomputed one twice
+    finally:
+        norm_class.forward = original
+        runtime.remove()
+    for got_l, got_g in ((got_loss, got_grads), (got_loss2, got_grads2)):
+        assert torch.equal(got_l, loss) and all(torch.equal(a, b) for a, b in zip(got_g, grads))
+    assert "forward" not in norm.__dict__
+
+
+def test_install_remove_reinstall_leaves_each_module_as_it_found_it():
+    model = tiny_model("glm4_moe")
+    norm = model.model.layers[1].post_attention_layernorm
+    norm.forward = norm.forward  # another library's, set before ours
+    bare, forwards = _state(model), _instance_forwards(model)
+    results = []
+    for _ in range(2):
+        runtime = PlanRuntime(model).install()
+        runtime.set_plan({**PLAN, OpId(1, "expert_fc1"): "recompute", OpId(1, "shared_expert"): "offload"})
+        results.append(_step(model, runtime))
+        runtime.remove()
+        assert _state(model) == bare and _instance_forwards(model) == forwards
+        runtime.remove()  # twice: nothing left to take back, nothing raises
+    (loss_a, grads_a, kept_a), (loss_b, grads_b, kept_b) = results
+    assert torch.equal(loss_a, loss_b) and kept_a == kept_b and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
