@@ -99,6 +99,7 @@ def two_ranks() -> dict[str, list]:
         "adaptive": (_adaptive_training,),
         "profiled": (_profiled, ["gpt_oss", "qwen2_moe"]),
         "floor": (_floor,),
+        "split": (_split_collective,),
     }, timeout_s=120)
 
 
@@ -408,6 +409,34 @@ def test_the_floor_runs_on_every_rank_and_is_bitwise(two_ranks):
 
 def test_the_floor_runs_on_four_ranks():
     _floor_holds_on_every_rank(run_ranks(_floor, 4, timeout_s=120))
+
+
+def _split_collective(rank: int, size: int) -> dict:
+    """A fixed plan that recomputes a whole MoE layer (its all-to-alls with it) on rank 0 only is
+    refused at `apply_plan` on every rank, before any forward; the same plan on every rank runs
+    and is bitwise the plain step."""
+    model, ids = _model("deepseek_v3"), _batch(rank)
+    adapter = Adapter(model)
+    layer = next(part.index for part in adapter.layers if part.moe)
+    whole = {op: "recompute" for op in bgl.list_ops(model) if op.layer == layer}
+    try:
+        _step(model, ids, whole if rank == 0 else {})
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    loss, grads, _ = _step(model, ids)
+    loss_whole, grads_whole, _ = _step(model, ids, whole)
+    bitwise = torch.equal(loss, loss_whole) and all(torch.equal(grads[n], g) for n, g in grads_whole.items())
+    return dict(refused=refused, bitwise=bitwise, layer=layer)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_collective_region_on_some_ranks_only_is_refused(size, request):
+    ranks = request.getfixturevalue("two_ranks")["split"] if size == 2 else run_ranks(_split_collective, 4, timeout_s=60)
+    for r in ranks:
+        assert r["refused"] is not None and r["bitwise"], r
+        assert f"layer {r['layer']} (dispatch, expert_fc1, expert_act, expert_fc2, combine) on rank(s) [0] only" in r["refused"]
+    assert len({r["refused"] for r in ranks}) == 1  # every rank says the same
 
 
 def _profiled(rank: int, size: int, families: list[str]) -> dict:

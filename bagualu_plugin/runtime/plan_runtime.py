@@ -117,6 +117,31 @@ class PlanRuntime:
                 regions[(layer, region.ops)] = frozenset(region.dropped)
         return regions
 
+    def agree_on_collectives(self) -> None:
+        """Under expert parallelism, refuse a plan whose recompute regions hold the all-to-alls of
+        a layer on some ranks of the expert group and not on others: backward replays them on
+        those ranks only, which never meet the others' (gloo fails on the sizes, NCCL hangs).
+        One exchange of each rank's collective regions over the group, so every rank raises the
+        same error, naming the layer, its ops and the ranks, before any forward. The adaptive
+        system agrees at each gate instead (`planner.gate`)."""
+        group = self.adapter.expert_group
+        if group is None or group.size == 1:
+            return
+        mine = sorted((layer, ops) for (layer, ops) in self._regions if "dispatch" in ops)
+        every = [None] * group.size
+        torch.distributed.all_gather_object(every, mine, group=group.group)
+        split = sorted({region for regions in every for region in regions} - set.intersection(*map(set, every)))
+        if split:
+            lines = [
+                f"layer {layer} ({', '.join(ops)}) on rank(s) {[r for r, regions in enumerate(every) if (layer, ops) in regions]} only"
+                for layer, ops in split
+            ]
+            raise ValueError(
+                "apply_plan: the plan recomputes the experts with their all-to-alls (dispatch and combine) on some ranks of "
+                f"the expert-parallel group of {group.size} and not on the others: {'; '.join(lines)}. Every rank's backward "
+                "would have to join those all-to-alls; give every rank the same recompute of these layers' routed experts"
+            )
+
     def install(self) -> PlanRuntime:
         a, stack = self.adapter, ExitStack()
         head, lm_head = a.head_index, a.model.lm_head
@@ -312,6 +337,7 @@ def apply_plan(
     every hook, wrapper and setting is removed, also when the body raises."""
     runtime = PlanRuntime(model, ledger=ledger, options=options)
     runtime.set_plan(plan)  # validated before anything is installed
+    runtime.agree_on_collectives()
     runtime.install()
     try:
         with runtime.forward() as counted:
