@@ -15,18 +15,37 @@ from dataclasses import dataclass, replace
 
 from .config import Recipe
 from .costmodel import CostModel, Curve, MicroBatchCost, MitigationOptions, OpId, iteration_curve
+from .costmodel.graph import EXPERT_OPS
 from .costmodel.pipeline import Step, interleaved_one_f_one_b, release_order, warmup_depth
 from .planner import BudgetState
+from .planner.gate import escalated
+from .planner.greedy import InfeasibleBudget, plan_micro_batch
 
 
 def _floor(chunks: Sequence[CostModel], tokens: int, recipe: Recipe) -> int:
-    """M0: what one forward of `tokens` keeps under full recompute with the all-to-alls, the floor
-    every gate can reach whatever the routing (under expert parallelism together: nothing per
-    routed pair), at `spike_max_imbalance` (vp > 1: the largest chunk's)."""
-    routed = tokens * chunks[0].pairs_per_token * recipe.spikes.spike_max_imbalance
-    return max(
-        math.ceil(c.footprint(tokens, routed, recipe.batch.seq_len, c.full_recompute(collective=True)).device_bytes) for c in chunks
-    )
+    """M0: the least one forward of `tokens` can keep at `spike_max_imbalance`, or the
+    expert-parallel group's size if smaller (vp > 1: the largest chunk's). With recompute allowed,
+    full recompute with the all-to-alls, the floor every gate can reach whatever the routing
+    (under expert parallelism together: nothing per routed pair). Without it, the end of
+    Algorithm 2's path over the allowed strategies with every gate's escalation, and the room its
+    backward needs to bring offloaded copies back: planning below that plans what cannot fit."""
+    # no rank receives more than every rank's pairs: on one device routing never spikes
+    routed = tokens * chunks[0].pairs_per_token * min(recipe.spikes.spike_max_imbalance, recipe.parallel.ep)
+    allowed, seq_len = recipe.strategies.allowed, recipe.batch.seq_len
+
+    def least(c: CostModel) -> float:
+        if "recompute" in allowed:
+            return c.footprint(tokens, routed, seq_len, c.full_recompute(collective=True)).device_bytes
+        options, pairs = mitigation_options(recipe), [routed] * len(c.moe_layers)
+        try:
+            plan = plan_micro_batch(c, 0, tokens, pairs, seq_len, allowed, options).plan
+        except InfeasibleBudget as error:
+            plan = error.best.plan
+        for layer in c.moe_layers:  # and every gate escalated, as gates do whatever the strategies
+            plan = escalated(plan, layer, c.blocks[layer].collective or EXPERT_OPS)
+        return c.footprint(tokens, pairs, seq_len, plan, options).needed_bytes
+
+    return max(math.ceil(least(c)) for c in chunks)
 
 
 @dataclass(frozen=True)
@@ -35,7 +54,7 @@ class Stage:
     cost: CostModel  # the blocks held by pipeline.rank (of `chunk(c)`: chunk c's)
     tokens: int  # tokens per micro-batch, T
     static_bytes: int  # weights, gradients, optimizer state of the whole rank
-    min_budget: int  # M0: the floor, one forward under full recompute with the all-to-alls (vp > 1: largest chunk's)
+    min_budget: int  # M0: the floor (`_floor`): one forward under full recompute with the all-to-alls (vp > 1: largest chunk's)
     chunks: tuple[CostModel, ...]  # the rank's model chunks, vp of them (vp = 1: the rank's blocks)
 
     @classmethod
@@ -112,9 +131,10 @@ class Stage:
             advice = f"; would fit: {' or '.join(fits)}" if fits else ""
             raise ValueError(
                 f"pipeline rank {pipe.rank} of {pipe.pp}: capacity {self.capacity} bytes cannot hold static memory "
-                f"{self.static_bytes} plus {self.warmup} in-flight micro-batches at the full-recompute minimum M0 = "
-                f"{self.min_budget} bytes ({short} bytes short; M0 is the floor any routing up to spike_max_imbalance "
-                f"{self.recipe.spikes.spike_max_imbalance:g} needs){advice}. Lower the micro-batch size or sequence "
+                f"{self.static_bytes} plus {self.warmup} in-flight micro-batches at the minimum M0 = {self.min_budget} "
+                f"bytes ({short} bytes short; M0 is the least a forward of {', '.join(self.recipe.strategies.allowed) or 'no'} "
+                f"mitigation keeps at any routing up to spike_max_imbalance "
+                f"{self.recipe.spikes.spike_max_imbalance:g}){advice}. Lower the micro-batch size or sequence "
                 "length, raise pipeline parallelism, or shard more state"
             )
         released = release_order(self.schedule) if self.recipe.pipeline.vp > 1 else None

@@ -8,6 +8,8 @@ the rows dispatch received, which grow with the spike."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bagualu_plugin import load_recipe
@@ -64,7 +66,7 @@ def test_a_layout_the_floor_cannot_hold_is_refused_before_training_with_what_wou
         stage.budgets()
     text = str(refused.value)
     for part in ("pipeline rank 0 of 8", f"capacity {stage.capacity} bytes", f"static memory {stage.static_bytes}",
-                 f"23 in-flight micro-batches at the full-recompute minimum M0 = {stage.min_budget} bytes"):
+                 f"23 in-flight micro-batches at the minimum M0 = {stage.min_budget} bytes"):
         assert part in text, (part, text)
     assert "would fit: batch.seq_len 2048" in text and "or pipeline.pp 16" in text, text
     shorter = recipe.model_copy(update={"batch": recipe.batch.model_copy(update={"seq_len": 2048})})
@@ -72,3 +74,35 @@ def test_a_layout_the_floor_cannot_hold_is_refused_before_training_with_what_wou
     for rank in range(16):
         pipe = recipe.pipeline.model_copy(update={"pp": 16, "rank": rank})
         Stage.of(recipe.model_copy(update={"pipeline": pipe})).budgets()
+
+
+def test_without_recompute_the_floor_is_the_least_the_allowed_strategies_keep():
+    """With recompute not allowed no plan reaches full recompute: M0 is what Algorithm 2's path
+    over the allowed strategies ends at, with every gate escalated (gates recompute the experts
+    whatever the strategies), and the room to bring offloaded copies back. A capacity under it is
+    refused before training: planning below it plans what cannot fit (a TRL run with offload only
+    once died of it at its first micro-batch). On one device routing never spikes."""
+    import bagualu_plugin as bgl
+    from bagualu_plugin.adapters import tiny_model
+    from bagualu_plugin.costmodel.graph import EXPERT_OPS
+    from bagualu_plugin.planner.gate import escalated
+    from bagualu_plugin.planner.greedy import InfeasibleBudget, plan_micro_batch
+
+    model = tiny_model("glm4_moe", num_hidden_layers=3)
+    partial = {"hardware": {"capacity_bytes": "1GiB"}, "budget": {"non_activation_bytes": 0}, "batch": {"micro_batch_size": 2, "seq_len": 16}}
+    full = Stage.of(bgl.derive_recipe(model, partial))
+    only = bgl.derive_recipe(model, {**partial, "strategies": {"allowed": ["offload", "fp8"]}})
+    stage = Stage.of(only)
+    cm, tokens = stage.cost, only.batch.tokens
+    pairs = [tokens * cm.pairs_per_token] * len(cm.moe_layers)  # balanced: the most one device sees
+    with pytest.raises(InfeasibleBudget) as infeasible:
+        plan_micro_batch(cm, 0, tokens, pairs, 16, ["offload", "fp8"], stage.options)
+    plan = infeasible.value.best.plan
+    for layer in cm.moe_layers:
+        plan = escalated(plan, layer, EXPERT_OPS)
+    assert stage.min_budget == math.ceil(cm.footprint(tokens, pairs, 16, plan, stage.options).needed_bytes) > full.min_budget
+    capacity = stage.min_budget - 1
+    with pytest.raises(ValueError, match=rf"capacity {capacity} bytes cannot hold static memory 0 plus 1 in-flight micro-batches "
+                                         rf"at the minimum M0 = {stage.min_budget} bytes \(1 bytes short; M0 is the least a forward "
+                                         "of offload, fp8 mitigation keeps"):
+        bgl.apply(model, {**partial, "hardware": {"capacity_bytes": capacity}, "strategies": {"allowed": ["offload", "fp8"]}})

@@ -43,7 +43,7 @@ class BudgetState:
         if free < 0:
             raise ValueError(
                 f"capacity {capacity} bytes cannot hold static memory {static_bytes} plus {warmup} in-flight "
-                f"micro-batches at the full-recompute minimum M0 = {min_budget} bytes ({-free} bytes short): "
+                f"micro-batches at the minimum M0 = {min_budget} bytes ({-free} bytes short): "
                 "lower the micro-batch size or sequence length, raise pipeline parallelism, or shard more state"
             )
         return cls(capacity, min_budget, warmup, static_bytes, released=released)
