@@ -5,8 +5,9 @@ the package, change with their version)."""
 
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 UNPINNED = {"ruff"}
 

@@ -89,7 +89,8 @@ def test_without_recompute_the_floor_is_the_least_the_allowed_strategies_keep():
     from bagualu_plugin.planner.greedy import InfeasibleBudget, plan_micro_batch
 
     model = tiny_model("glm4_moe", num_hidden_layers=3)
-    partial = {"hardware": {"capacity_bytes": "1GiB"}, "budget": {"non_activation_bytes": 0}, "batch": {"micro_batch_size": 2, "seq_len": 16}}
+    partial = {"hardware": {"capacity_bytes": "1GiB"}, "budget": {"non_activation_bytes": 0},
+               "batch": {"micro_batch_size": 2, "seq_len": 16}}
     full = Stage.of(bgl.derive_recipe(model, partial))
     only = bgl.derive_recipe(model, {**partial, "strategies": {"allowed": ["offload", "fp8"]}})
     stage = Stage.of(only)
