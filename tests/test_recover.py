@@ -13,7 +13,7 @@ from bagualu_plugin.adapters import Adapter, tiny_model
 from bagualu_plugin.costmodel import OpId
 from bagualu_plugin.costmodel.plan import Plan
 from bagualu_plugin.runtime.plan_runtime import PlanRuntime
-from bagualu_plugin.runtime.replay import ReplayError, checkpoint
+from bagualu_plugin.runtime.replay import ReplayError, recording
 
 g = torch.Generator().manual_seed(0)
 BATCHES = [torch.randint(0, 128, (2, 32), generator=g) for _ in range(2)]
@@ -112,6 +112,12 @@ def _dropout_region(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.dropout(x.sin(), 0.5).exp()
 
 
+def _checkpoint(run, *inputs):
+    """`run(*inputs)` as a recompute region: its output and its frame."""
+    with recording(run, inputs) as frame:
+        return run(*inputs), frame
+
+
 @pytest.mark.parametrize("early", [False, True], ids=["lazy", "recompute_now"])
 def test_a_replay_runs_as_the_forward_ran(early):
     x = torch.randn(64, requires_grad=True)
@@ -119,7 +125,7 @@ def test_a_replay_runs_as_the_forward_ran(early):
     _dropout_region(x).sum().backward()
     reference, x.grad = x.grad, None
     torch.manual_seed(1)
-    out, frame = checkpoint(_dropout_region, x)
+    out, frame = _checkpoint(_dropout_region, x)
     state = torch.get_rng_state()
     if early:
         frame.recompute_now()
@@ -137,14 +143,14 @@ def test_a_replay_that_saves_fewer_tensors_says_so():
         return x.sin().exp() if len(runs) == 1 else x.sin()
 
     x = torch.randn(4, requires_grad=True)
-    out, frame = checkpoint(region, x)
+    out, frame = _checkpoint(region, x)
     with pytest.raises(ReplayError, match="saved 2 tensors for backward in its forward but 1 in its replay"):
         frame.recompute_now()
 
 
 def test_a_saved_tensor_is_handed_out_once():
     x = torch.randn(4, requires_grad=True)
-    out, _ = checkpoint(torch.sin, x)
+    out, _ = _checkpoint(torch.sin, x)
     out.sum().backward(retain_graph=True)
     with pytest.raises(ReplayError, match="unpacked a second time"):
         out.sum().backward()

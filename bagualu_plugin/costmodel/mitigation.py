@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..hardware import HardwareSpec
-from .graph import BlockGraph, TensorSpec
+from .graph import BlockGraph, OpSpec, TensorSpec
 from .linear import Load
 from .roofline import cast_kernel, fp8_stored_bytes, offload_copy
 
@@ -166,6 +166,38 @@ def stored_form(
     return "device" if device else other
 
 
+def _check_plan(block: BlockGraph, plan: Mapping[str, str]) -> None:
+    unknown = set(plan) - set(block.op_names)
+    if unknown:
+        raise KeyError(f"plan names ops {sorted(unknown)} that a {block.kind} block lacks")
+    bad = {s for s in plan.values() if s not in STRATEGIES}
+    if bad:
+        raise ValueError(f"unknown strategies {sorted(bad)}; expected one of {STRATEGIES}")
+
+
+def _regions(block: BlockGraph, plan: Mapping[str, str], chunked: bool, tensors: Sequence[TensorSpec]):
+    """The plan's checkpoint regions in `block`: each recomputed op's region (its replayed ops),
+    each held input and the first op of the region that holds it, the ops replayed."""
+    present = {t.name for t in tensors}
+    produced_by = {t.name: t.producer for t in tensors}
+    region_of: dict[str, frozenset[str]] = {}  # a recomputed op -> the ops its region replays
+    held: dict[str, str] = {}  # a tensor a checkpoint region keeps as its input -> that region's first op
+    replayed: list[OpSpec] = []
+    order = block.op_names
+    for region in holding_regions(block, plan, chunked):
+        members = frozenset(region.ops)
+        for name in region.dropped:
+            region_of[name] = members
+        first = min(members, key=order.index)
+        for op in block.ops:
+            if op.name in members:
+                replayed.append(op)
+                for t in op.inputs:
+                    if t in present and produced_by[t] not in members:
+                        held[t] = min(held.get(t, first), first, key=order.index)
+    return region_of, held, replayed
+
+
 def footprint(
     block: BlockGraph,
     plan: Mapping[str, str],
@@ -174,32 +206,11 @@ def footprint(
     options: MitigationOptions = MitigationOptions(),
 ) -> Footprint:
     """Device and host bytes of `block` under `plan` (op name -> strategy; absent = keep)."""
-    unknown = set(plan) - set(block.op_names)
-    if unknown:
-        raise KeyError(f"plan names ops {sorted(unknown)} that a {block.kind} block lacks")
-    bad = {s for s in plan.values() if s not in STRATEGIES}
-    if bad:
-        raise ValueError(f"unknown strategies {sorted(bad)}; expected one of {STRATEGIES}")
-    chunked = block.kind == "head" and options.loss_chunk_tokens is not None
-    if chunked and not any(t.chunked for t in block.tensors):
-        raise ValueError(
-            "loss_chunk_tokens is set, but this head block has no tensors of the chunked loss "
-            "(a cost model saved before the chunked loss existed: build or profile it again)"
-        )
+    _check_plan(block, plan)
+    chunked = _chunked(block, options)
     tensors = block.path_tensors(chunked)
-    present = {t.name for t in tensors}
-
-    region_of: dict[str, frozenset[str]] = {}  # a recomputed op -> the ops its region replays
-    held: set[str] = set()  # tensors a checkpoint region keeps as its input
-    replay = 0.0
-    produced_by = {t.name: t.producer for t in tensors}
-    for region in holding_regions(block, plan, chunked):
-        members = frozenset(region.ops)
-        for name in region.dropped:
-            region_of[name] = members
-        inputs = {t for op in block.ops if op.name in members for t in op.inputs if t in present}
-        held |= {t for t in inputs if produced_by[t] not in members}
-        replay += sum(op.forward_s.at(load) for op in block.ops if op.name in members)
+    region_of, held, replayed = _regions(block, plan, chunked, tensors)
+    replay = sum(op.forward_s.at(load) for op in replayed)
 
     copy, cast = offload_copy(hw), cast_kernel(hw)
     device = host = fwd = bwd = 0.0
@@ -210,9 +221,7 @@ def footprint(
         if t.held_by:  # counted by the model: whether a region holds it is decided in other blocks
             continue
         size = t.bytes(load)
-        form = stored_form(t, plan, region_of, size, options)
-        if t.name in held:
-            form = "device"
+        form = "device" if t.name in held else stored_form(t, plan, region_of, size, options)
         if form == "device":
             device += size
         elif form == "fp8":
@@ -227,3 +236,51 @@ def footprint(
             fwd += copy.time(size)
             bwd += copy.time(size)
     return Footprint(device, host, fwd, bwd + replay, _two_largest(list(offloaded.values())))
+
+
+def device_bytes_by_op(
+    block: BlockGraph, plan: Mapping[str, str], load: Load, options: MitigationOptions = MitigationOptions()
+) -> dict[str, float]:
+    """`footprint`'s device bytes of `block` per op, charged as the Ledger charges a storage: to
+    the op that first puts it on the device in program order (the first saver that keeps it, or
+    the first of a region that holds it as input; the first quantising saver for an fp8 copy;
+    the table's maker for the tables every layer receives). What the regions of later blocks
+    hold of the layer arguments is not included (`CostModel.device_bytes_by_op` adds it)."""
+    _check_plan(block, plan)
+    chunked = _chunked(block, options)
+    tensors = block.path_tensors(chunked)
+    region_of, held, _ = _regions(block, plan, chunked, tensors)
+    order, out = block.op_names, {}
+    for t in tensors:
+        if t.held_by:
+            continue
+        size = t.bytes(load)
+        form = "device" if t.name in held else stored_form(t, plan, region_of, size, options)
+        if form == "device":
+            keepers = [held[t.name]] if t.name in held else []
+            for saver in () if t.shared else t.savers:
+                strategy = plan.get(saver, "keep")
+                if strategy == "recompute":
+                    if t.producer not in region_of[saver]:
+                        keepers.append(min(region_of[saver], key=order.index))
+                elif strategy not in ("offload", "fp8") or (strategy == "offload" and size < options.offload_min_bytes) or (
+                    strategy == "fp8" and not t.floating
+                ):
+                    keepers.append(saver)
+            op = min(keepers, key=order.index) if keepers else t.savers[0]
+        elif form == "fp8":
+            op, size = next(s for s in t.savers if plan.get(s) == "fp8"), fp8_stored_bytes(t.elements.at(load), options.fp8_block_size)
+        else:
+            continue
+        out[op] = out.get(op, 0.0) + size
+    return out
+
+
+def _chunked(block: BlockGraph, options: MitigationOptions) -> bool:
+    chunked = block.kind == "head" and options.loss_chunk_tokens is not None
+    if chunked and not any(t.chunked for t in block.tensors):
+        raise ValueError(
+            "loss_chunk_tokens is set, but this head block has no tensors of the chunked loss "
+            "(a cost model saved before the chunked loss existed: build or profile it again)"
+        )
+    return chunked

@@ -20,7 +20,7 @@ from . import analytic
 from .dims import ModelDims, Parallel
 from .graph import BlockGraph, OpId, OpSpec, TensorSpec
 from .linear import LinearForm, Load
-from .mitigation import Footprint, MitigationOptions, footprint, holding_regions
+from .mitigation import Footprint, MitigationOptions, device_bytes_by_op, footprint, holding_regions
 from .pipeline import MicroBatchCost, stage_layers
 
 FORMAT = "bagualu-costmodel/1"
@@ -165,6 +165,29 @@ class CostModel:
             total += footprint(block, plans[i], loads[i], self.hardware, options)
         holding = {i for i, block in self.blocks.items() if holds_arguments(block, plans[i])}
         return total + Footprint(device_bytes=self.argument_bytes(loads, holding))
+
+    def device_bytes_by_op(
+        self,
+        tokens: int,
+        routed: Routed = None,
+        seq_len: int | None = None,
+        plan: Mapping[OpId, str] | None = None,
+        options: MitigationOptions = MitigationOptions(),
+    ) -> dict[OpId, float]:
+        """`footprint`'s device bytes per op, charged as the Ledger charges them (`mitigation.
+        device_bytes_by_op`); the layer arguments that recompute regions hold (position ids,
+        masks), to the op that made them. Per block the sums are what the Ledger counts; within
+        a block a storage two ops save may be charged to either."""
+        loads, plans = self.loads(tokens, routed, seq_len), self._split(plan)
+        holding = {i for i, block in self.blocks.items() if holds_arguments(block, plans[i])}
+        out: dict[OpId, float] = {}
+        for i, block in self.blocks.items():
+            for name, nbytes in device_bytes_by_op(block, plans[i], loads[i], options).items():
+                out[OpId(i, name)] = nbytes
+            for t in block.tensors:
+                if set(t.held_by) & holding:
+                    out[OpId(i, t.producer)] = out.get(OpId(i, t.producer), 0.0) + t.bytes(loads[i])
+        return out
 
     def argument_bytes(self, loads: Mapping[int, Load], holding: set[int]) -> float:
         """Bytes of the layer arguments (position ids, masks) that the recompute regions of the

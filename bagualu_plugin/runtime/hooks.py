@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from ..adapters import shared_arguments
 from ..costmodel import OpId
@@ -77,13 +76,15 @@ class SavedTensorHooks:
                 group.prefetch()
             group = group.before
 
-    def layer_inputs(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        """A decoder layer's forward pre-hook: what every layer receives (RoPE tables, masks) is
-        kept as it is, as the cost model assumes (`TensorSpec.shared`)."""
+    def layer_inputs(self, args: tuple, kwargs: dict, made_by: OpId | None) -> None:
+        """Before a decoder layer's forward: what every layer receives (RoPE tables, masks) is kept
+        as it is, as the cost model assumes (`TensorSpec.shared`), and charged to the op that made
+        it, `made_by`, as the cost model charges it."""
         for t in shared_arguments(args, kwargs):
             found = _storage(t)
             if found is not None and found[0] not in self._forms:
                 self._remember(t, found[0], "keep", None)
+                self.ledger.charge(t, made_by)
 
     def pack(self, tensor: torch.Tensor):
         op = self.current_op()

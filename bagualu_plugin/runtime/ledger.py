@@ -231,6 +231,7 @@ class Ledger:
         self._bytes = dict.fromkeys(_RESIDENCIES, 0)
         self._peak = 0
         self._released: deque[tuple[_Live, weakref.ref]] = deque()
+        self._charges: dict[StorageKey, tuple[object, weakref.ref]] = {}  # `charge`'s, until the tensor dies
         self._lock = threading.Lock()
 
     @classmethod
@@ -349,6 +350,22 @@ class Ledger:
     def _is_static(self, key: StorageKey) -> bool:
         return key in self._excluded or any(key in keys for keys in self._gathered.values())
 
+    def charge(self, tensor: torch.Tensor, op: object) -> None:
+        """Charge `tensor`'s storage to `op` when it is first recorded, whichever op saves it then:
+        what every decoder layer receives (RoPE tables, masks) is made before the layers and
+        saved in them, and the cost model charges it where it is made. Forgotten when `tensor`
+        dies (its address may be reused)."""
+        found = _storage(tensor)
+        if found is None or found[0] in self._charges:
+            return
+        key = found[0]
+
+        def forget(ref: weakref.ref) -> None:
+            if self._charges.get(key, (None, None))[1] is ref:
+                del self._charges[key]
+
+        self._charges[key] = (op, weakref.ref(tensor, forget))
+
     def record(self, tensor: torch.Tensor, residency: Residency = "device") -> None:
         """Charge the storage of ``tensor`` until every recorded tensor object of it has died.
 
@@ -365,7 +382,8 @@ class Ledger:
             return
         key, nbytes = found
         # callbacks run before the lock is taken: they may read the ledger
-        op, micro_batch, source = self.current_op(), self.micro_batch, self.source(tensor)
+        charged = self._charges.get(key)
+        op, micro_batch, source = self.current_op() if charged is None else charged[0], self.micro_batch, self.source(tensor)
         with self._lock:
             self._apply_releases()
             if self._is_static(key):

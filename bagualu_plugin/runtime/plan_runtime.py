@@ -74,6 +74,7 @@ class PlanRuntime:
         self._frames: dict[int | None, dict[int, list[weakref.ref]]] = {}  # micro-batch: layer: its live regions
         self._stack: ExitStack | None = None
         self._forwarding = False  # inside forward(): only there does the plan apply
+        self._arguments_op: OpId | None = None  # the op running before this forward's first decoder layer
 
     @property
     def plan(self) -> Plan:
@@ -166,7 +167,8 @@ class PlanRuntime:
         stack.callback(self.tracker.remove)
         stack.callback(a.model.register_forward_pre_hook(self._new_forward).remove)
         for part in a.layers:
-            stack.callback(part.module.register_forward_pre_hook(self._layer_inputs, with_kwargs=True).remove)
+            # before the layer's own region (a whole-layer recompute) saves its arguments
+            stack.callback(part.module.register_forward_pre_hook(self._layer_inputs, with_kwargs=True, prepend=True).remove)
         self._stack = stack
         return self
 
@@ -175,8 +177,12 @@ class PlanRuntime:
             self.hooks.new_forward()
 
     def _layer_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The layer arguments are made before the first decoder layer (a later layer's mask
+        too): charged to the op running then."""
         if self._forwarding:
-            self.hooks.layer_inputs(module, args, kwargs)
+            if module is self.adapter.layers[0].module:
+                self._arguments_op = self.tracker.current
+            self.hooks.layer_inputs(args, kwargs, self._arguments_op)
 
     def _wrap(self, module: nn.Module, layer: int, unit: tuple[str, ...], stack: ExitStack) -> None:
         """Run `module` as a recompute region while its unit or span is one: a forward pre-hook
@@ -223,7 +229,11 @@ class PlanRuntime:
 
         saves = nullcontext if dropped_ops == set(unit) else SpanSaves(dropped)
         stack = ExitStack()
-        frame = stack.enter_context(region(module, forward, self.adapter.config, args, kwargs, saves, self._holding()))
+        current, self.tracker.current = self.tracker.current, OpId(layer, unit[0])  # the region's inputs are its first op's
+        try:
+            frame = stack.enter_context(region(module, forward, self.adapter.config, args, kwargs, saves, self._holding()))
+        finally:
+            self.tracker.current = current
         frames = self._frames.setdefault(self.ledger.micro_batch, {})  # weakly: a frame dies with its graph
         frames[layer] = [*(ref for ref in frames.get(layer, ()) if ref() is not None), weakref.ref(frame)]
         return stack
