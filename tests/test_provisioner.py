@@ -50,9 +50,10 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
         fields = [
             "micro_batch", "phase", "budget", "predicted", "plan", "escalations", "deferred", "tokens", "seq_len",
             "reload_bytes", "planner_s", "actual", "peak_device_bytes", "live_after_backward", "point", "routed",
-            "balanced_pairs", "kind",
+            "balanced_pairs", "kind", "misses",
         ]
         assert all(list(e) == fields for e in lines)
+        assert all(e["misses"] == [] for e in lines)  # every op kept what the cost model predicts
         # the routing each MoE gate saw (what `bagualu simulate --trace` replays)
         assert all(list(e["routed"]) == [str(layer) for layer in cm.moe_layers] and all(e["routed"].values()) for e in lines)
         assert all(e["balanced_pairs"] == BATCH * SEQ * cm.pairs_per_token for e in lines)

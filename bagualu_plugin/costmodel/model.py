@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -188,6 +188,16 @@ class CostModel:
                 if set(t.held_by) & holding:
                     out[OpId(i, t.producer)] = out.get(OpId(i, t.producer), 0.0) + t.bytes(loads[i])
         return out
+
+    def with_saved(self, op: OpId, bytes_per_token: float) -> CostModel:
+        """This cost model, with `op` saving `bytes_per_token` more per token than its graph says
+        (what the Ledger measured it keep beyond: `runtime.calibration`), as one more tensor it
+        makes and saves: recomputing or offloading the op takes those bytes away too."""
+        block = self.blocks[op.layer]
+        block.op(op.name)  # a KeyError naming the op where the block has none
+        extra = TensorSpec(f"{op.name}.measured{len(block.tensors)}", op.name, (op.name,), LinearForm(per_token=bytes_per_token), 1)
+        blocks = {**self.blocks, op.layer: replace(block, tensors=(*block.tensors, extra))}
+        return CostModel(blocks, self.hardware, self.pairs_per_token, self.name, self.source)
 
     def argument_bytes(self, loads: Mapping[int, Load], holding: set[int]) -> float:
         """Bytes of the layer arguments (position ids, masks) that the recompute regions of the

@@ -168,8 +168,10 @@ class Decider:
             self._quanta = quanta
 
     def add(self, key: Hashable, cost: CostModel) -> None:
-        """Plan micro-batches of `key` on `cost`."""
+        """Plan micro-batches of `key` on `cost` from now on (the bands prepared on an earlier one go)."""
         self.costs[key] = cost
+        for band in [band for band in self._bands if band[0] == key]:
+            del self._bands[band]
 
     def band(self, key: Hashable, tokens: int, seq_len: int | None) -> Band:
         """The prepared normal band of `key`'s micro-batches of `tokens` tokens (made on first use)."""

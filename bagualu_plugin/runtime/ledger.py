@@ -61,6 +61,9 @@ class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
         )
 
 
+ALL = object()  # `Ledger.by_op`: every micro-batch
+
+
 class Record(NamedTuple):
     """One live saved storage and how many bytes it holds where.
 
@@ -232,6 +235,7 @@ class Ledger:
         self._peak = 0
         self._released: deque[tuple[_Live, weakref.ref]] = deque()
         self._charges: dict[StorageKey, tuple[object, weakref.ref]] = {}  # `charge`'s, until the tensor dies
+        self._by_layer: dict[tuple[int | None, int | None], int] = {}  # device bytes per (micro-batch, op's layer)
         self._lock = threading.Lock()
 
     @classmethod
@@ -366,6 +370,11 @@ class Ledger:
 
         self._charges[key] = (op, weakref.ref(tensor, forget))
 
+    def end_charges(self) -> None:
+        """The decoder layers are done: an argument they received that is first saved after them
+        (the loss's token count, which the Trainer passes through the layers) is its saver's."""
+        self._charges.clear()
+
     def record(self, tensor: torch.Tensor, residency: Residency = "device") -> None:
         """Charge the storage of ``tensor`` until every recorded tensor object of it has died.
 
@@ -395,6 +404,9 @@ class Ledger:
                 entry = _Live(Record(key, nbytes, residency, op, micro_batch, tensor.dtype, source, (op,)))
                 self._live[key] = entry
                 self._bytes[residency] += nbytes
+                if residency == "device":
+                    where = (micro_batch, getattr(op, "layer", None))
+                    self._by_layer[where] = self._by_layer.get(where, 0) + nbytes
                 self._peak = max(self._peak, self._bytes["device"] + self._in_flight_bytes)
             elif op not in entry.record.savers:
                 entry.record = entry.record._replace(savers=(*entry.record.savers, op))
@@ -472,8 +484,15 @@ class Ledger:
         if allocator and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def by_op(self, residency: Residency = "device") -> dict[object, int]:
-        return self._group(lambda r: r.op, residency)
+    def by_layer(self, micro_batch: int | None) -> dict[int | None, int]:
+        """Device bytes of `micro_batch` per block of the ops charged (None: outside any op), kept
+        as records come and go: cheap enough to read at every gate."""
+        with self._locked():
+            return {layer: n for (mb, layer), n in self._by_layer.items() if mb == micro_batch}
+
+    def by_op(self, residency: Residency = "device", micro_batch: object = ALL) -> dict[object, int]:
+        """Bytes per op charged, of every micro-batch (`ALL`) or of `micro_batch` only."""
+        return self._group(lambda r: r.op, residency, None if micro_batch is ALL else lambda r: r.micro_batch == micro_batch)
 
     def by_micro_batch(self, residency: Residency = "device") -> dict[int | None, int]:
         return self._group(lambda r: r.micro_batch, residency)
@@ -511,6 +530,11 @@ class Ledger:
                 assert evicted is entry, record
                 self._bytes[record.residency] -= record.nbytes
                 assert self._bytes[record.residency] >= 0, self._bytes
+                if record.residency == "device":
+                    where = (record.micro_batch, getattr(record.op, "layer", None))
+                    self._by_layer[where] -= record.nbytes
+                    if not self._by_layer[where]:
+                        del self._by_layer[where]
 
     def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
         live = self._bytes["device"] + self._in_flight_bytes
@@ -526,14 +550,14 @@ class Ledger:
             if self.overrun is None:  # "record": the first one, the save that would have failed
                 self.overrun = SimulatedOutOfMemoryError(**fields)
 
-    def _group(self, by: Callable[[Record], object], residency: Residency) -> dict:
+    def _group(self, by: Callable[[Record], object], residency: Residency, only: Callable[[Record], bool] | None = None) -> dict:
         if residency not in _RESIDENCIES:
             raise ValueError(f"residency must be one of {_RESIDENCIES}, got {residency!r}")
         out: dict = {}
         with self._locked():
             for entry in self._live.values():  # read in place: this runs after every forward
                 record = entry.record
-                if record.residency == residency:
+                if record.residency == residency and (only is None or only(record)):
                     group = by(record)
                     out[group] = out.get(group, 0) + record.nbytes
         return out

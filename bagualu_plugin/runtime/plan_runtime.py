@@ -166,6 +166,8 @@ class PlanRuntime:
         self.tracker.install()
         stack.callback(self.tracker.remove)
         stack.callback(a.model.register_forward_pre_hook(self._new_forward).remove)
+        if a.decoder.norm is not None:
+            stack.callback(a.decoder.norm.register_forward_pre_hook(lambda *_: self.ledger.end_charges()).remove)
         for part in a.layers:
             # before the layer's own region (a whole-layer recompute) saves its arguments
             stack.callback(part.module.register_forward_pre_hook(self._layer_inputs, with_kwargs=True, prepend=True).remove)

@@ -43,6 +43,7 @@ from ..planner.gate import escalated
 from ..stage import Stage, mitigation_options
 from ..units import fmt_bytes
 from .boundaries import Boundaries, ForwardKind
+from .calibration import Calibration, Expected, Miss
 from .ledger import Ledger, SimulatedOutOfMemoryError
 from .plan_runtime import PlanRuntime
 from .static_memory import StaticMemory
@@ -95,6 +96,7 @@ class Event:
     routed: dict[int, int] = field(default_factory=dict)  # local routed pairs at each MoE layer's gate
     balanced_pairs: float = 0.0  # what balanced routing brings each MoE layer: `routed` / this is its imbalance
     kind: dict = field(default_factory=dict)  # how its forward ran (`runtime.boundaries.ForwardKind`)
+    misses: list[Miss] = field(default_factory=list)  # ops that kept other bytes than predicted (`runtime.calibration`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -108,6 +110,9 @@ class _Forward:
     event: Event
     decided: Forward  # its budget, plan and gates (`planner.decider`)
     hooks: ExitStack  # the plan's hooks entered and the gate monitor on, until the forward ends
+    kind: ForwardKind
+    expected: Expected  # what its blocks should keep, as its gates come
+    beyond: float = 0.0  # what its layers before the latest gate kept beyond that, taken from its slack
 
 
 def _check_expert_group(adapter: Adapter, recipe: Recipe) -> None:
@@ -178,6 +183,7 @@ class Provisioner:
         # comes (`_add`); a given cost model has no twins
         plain = cost or model_cost(model, recipe.hardware)
         self._given_cost = cost is not None
+        self.calibration = Calibration(adapter.family.model_type)
         static = self.static.measure() if measured else None
         self.decider = Decider(Stage.of(recipe, plain, split=False, static_bytes=static), {ForwardKind(): plain}, on_band=self._prepare)
         stage = self.stage
@@ -266,11 +272,16 @@ class Provisioner:
         checked to fit; the stage keeps the larger M0."""
         self._shapes.add((tokens, seq_len, kind))
         stage = self.stage
-        batch = Batch(seq_len=seq_len, micro_batch_size=-(-tokens // seq_len))
         if kind not in self.decider.costs:
             self._add(kind)
         elif tokens <= stage.tokens and seq_len <= stage.recipe.batch.seq_len:
             return
+        self._floor(mb, tokens, seq_len, kind)
+
+    def _floor(self, mb: int, tokens: int, seq_len: int, kind: ForwardKind) -> None:
+        """M0 at micro-batch `mb`'s shape and kind, checked to fit; the stage keeps the larger M0."""
+        stage = self.stage
+        batch = Batch(seq_len=seq_len, micro_batch_size=-(-tokens // seq_len))
         try:
             recipe = stage.recipe.model_copy(update={"batch": batch})
             grown = Stage.of(recipe, self.decider.costs[kind], split=False, static_bytes=stage.static_bytes)
@@ -353,7 +364,8 @@ class Provisioner:
         hooks.enter_context(self.runtime.forward(refresh=False))
         hooks.callback(setattr, self.gate, "active", False)
         self.gate.active = True
-        self._forward = _Forward(event, decided, hooks)
+        expected = Expected(self.decider.costs[kind], tokens, seq_len, self.stage.options)
+        self._forward = _Forward(event, decided, hooks, kind, expected)
         event.planner_s = time.perf_counter() - start
         return event
 
@@ -392,6 +404,12 @@ class Provisioner:
         if f is None or layer not in f.decided.gates.costs:
             return
         group, before = self._groups.get(layer), f.decided.plan
+        # what the blocks before the gate kept beyond their prediction, as a spike's pairs would
+        kept = sum(n for block, n in self.ledger.by_layer(f.event.micro_batch).items() if block is not None and 0 <= block < layer)
+        beyond = kept - f.expected.before(layer, f.decided.plan, f.decided.routed) - f.beyond
+        if beyond > 0:
+            f.decided.slack -= beyond
+            f.beyond += beyond
         agree = None if group is None else (lambda asks: any_rank(asks, group, local_pairs.device))
         self.decider.at_gate(f.decided, layer, int(local_pairs), agree)  # one host sync per MoE layer (two under EP)
         if f.decided.plan is not before:
@@ -409,12 +427,26 @@ class Provisioner:
         actual = self.ledger.by_micro_batch().get(mb, 0)
         self.decider.end(f.decided, actual + round(f.event.reload_bytes))
         f.event.actual = actual
+        self._calibrate(f)
         f.event.peak_device_bytes = self.peak_device_bytes
         self.events.append(f.event)
         self.forwards += 1
         self.planner_s += f.event.planner_s
         self._awaiting_backward[mb] = f.event
         return actual
+
+    def _calibrate(self, f: _Forward) -> None:
+        """Forward `f`'s bytes per op against its kind's cost model (`runtime.calibration`): the
+        misses in its event; the kind planned on a corrected cost model from now on where an op
+        kept more, whose floor is checked at once (an error with the numbers where it no longer fits)."""
+        e, cost = f.event, self.decider.costs[f.kind]
+        measured = self.ledger.by_op(micro_batch=e.micro_batch)
+        e.misses, corrected = self.calibration.check(
+            f.kind, cost, measured, e.tokens, e.routed, e.seq_len, f.decided.plan, self.stage.options
+        )
+        if corrected is not cost:
+            self.decider.add(f.kind, corrected)
+            self._floor(e.micro_batch, e.tokens, e.seq_len, f.kind)
 
     def end_backward(self, mb: int) -> int:
         """Micro-batch `mb`'s activations are released; returns what the stage still keeps (the

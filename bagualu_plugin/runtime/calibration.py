@@ -1,0 +1,121 @@
+"""The cost model checked against the Ledger while training (paper §IV's per-operator model, kept
+true at run time). The analytic models describe, per family, what each op saves in the
+transformers releases the project tests; a release that saves one more tensor in some op (or one
+fewer) shows here first, not as an out-of-memory error.
+
+- After each forward, the bytes the Ledger charged to each op are compared with what the kind's
+  cost model predicts for the plan in force and the routing its gates saw
+  (`CostModel.device_bytes_by_op`, which charges as the Ledger charges). A difference either way
+  is reported once per (kind of forward, op), naming the family, the transformers version and
+  both byte counts, and goes into the micro-batch's telemetry (`Event.misses`).
+- An op that kept more than predicted is planned on what it kept from then on: its kind's cost
+  model gains the bytes per token it kept beyond its graph, as a tensor the op saves, so
+  recomputing or offloading the op takes them away as well (`CostModel.with_saved`).
+- Within the micro-batch that shows it, each gate sees what the decoder layers before it kept
+  beyond their prediction (`Expected`): that comes out of the slack the gate decides with, so the
+  gate escalates as it would for a routing spike.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import transformers
+
+from ..costmodel import OpId
+from ..costmodel.linear import Load
+from ..costmodel.mitigation import MitigationOptions, footprint
+from ..costmodel.model import CostModel
+from ..costmodel.plan import Plan
+
+
+@dataclass(frozen=True)
+class Miss:
+    """An op whose forward kept other device bytes than its cost model predicted."""
+
+    op: str
+    measured: int
+    predicted: int
+
+
+class Calibration:
+    """The check after each forward, and what it has learnt: the ops of each kind of forward
+    already reported, and the cost models corrected."""
+
+    def __init__(self, family: str):
+        self.family = family
+        self._reported: set[tuple[object, object]] = set()
+
+    def check(
+        self, kind: object, cm: CostModel, measured: Mapping[object, int], tokens: int, routed: Mapping[int, float],
+        seq_len: int, plan: Plan, options: MitigationOptions,
+    ) -> tuple[list[Miss], CostModel]:
+        """The misses of one forward of `kind` (its bytes per op `measured`, its gates' `routed`),
+        and `cm` corrected where it kept more (`cm` itself otherwise). The forward's total decides:
+        where two ops save one storage it may be charged to either, and what the layers receive
+        (masks, position ids, the loss's token count) is charged to the embedding whichever block
+        saves it first. A total that differs names the ops of the blocks that differ, and an
+        excess goes to the op that kept the most beyond its prediction."""
+        pairs = [routed[layer] for layer in cm.moe_layers] if all(layer in routed for layer in cm.moe_layers) else None
+        predicted = {op: round(n) for op, n in cm.device_bytes_by_op(tokens, pairs, seq_len, plan, options).items()}
+        excess = sum(measured.values()) - sum(predicted.values())
+        if not excess:
+            return [], cm
+        differ = [
+            op for ops in _by_block(set(measured) | set(predicted)).values() if sum(measured.get(o, 0) - predicted.get(o, 0) for o in ops)
+            for op in ops if measured.get(op, 0) != predicted.get(op, 0)
+        ]
+        misses = [Miss(str(op), measured.get(op, 0), predicted.get(op, 0)) for op in differ]
+        for op, miss in zip(differ, misses):
+            if (kind, op) not in self._reported:
+                self._reported.add((kind, op))
+                warnings.warn(
+                    f"bagualu: op {op} of {self.family} kept {miss.measured} bytes where the cost model of its forwards "
+                    f"({kind}) predicts {miss.predicted} under transformers {transformers.__version__}; the micro-batch kept "
+                    f"{excess:+d} bytes beyond its prediction in all (a release that saves other tensors than the cost model "
+                    "describes)" + ("; the next micro-batches are planned on the bytes measured" if excess > 0 else ""),
+                    RuntimeWarning, stacklevel=3,
+                )
+        owners = [op for op in differ if isinstance(op, OpId) and op.layer in cm.blocks]
+        if excess > 0 and owners:
+            op = max(owners, key=lambda op: measured.get(op, 0) - predicted.get(op, 0))
+            return misses, cm.with_saved(op, excess / tokens)
+        return misses, cm
+
+
+def _by_block(ops) -> dict[int | None, list]:
+    """Ops by block, in program order (None: bytes charged outside any op)."""
+    out: dict[int | None, list] = {}
+    for op in sorted(ops, key=_order):
+        out.setdefault(op.layer if isinstance(op, OpId) else None, []).append(op)
+    return out
+
+
+def _order(op: object) -> tuple:
+    return (0, op.layer, op.name) if isinstance(op, OpId) else (1, 0, str(op))
+
+
+class Expected:
+    """What one forward's decoder layers are expected to keep, added up layer by layer as its gates
+    come: at the gate of a layer every layer before it has run, under the plan in force, with its
+    own gate's routing. (The embedding's block is left out: what the layers receive is charged to
+    it when some region holds it, in whichever layer.)"""
+
+    def __init__(self, cm: CostModel, tokens: int, seq_len: int, options: MitigationOptions):
+        self.cm, self.tokens, self.seq_len, self.options = cm, tokens, seq_len, options
+        self._layers = iter(sorted(i for i in cm.blocks if i >= 0))
+        self._next = next(self._layers, None)
+        self.bytes = 0.0
+
+    def before(self, layer: int, plan: Plan, routed: Mapping[int, float]) -> float:
+        """Bytes the decoder layers before `layer` are expected to keep."""
+        cm, blocks = self.cm, plan.blocks()
+        while self._next is not None and self._next < layer:
+            block = cm.blocks[self._next]
+            pairs = routed.get(self._next) if block.kind == "moe" else 0
+            load = Load.of(self.tokens, pairs, self.seq_len, cm.pairs_per_token)
+            self.bytes += footprint(block, dict(blocks.get(self._next, ())), load, cm.hardware, self.options).device_bytes
+            self._next = next(self._layers, None)
+        return self.bytes
