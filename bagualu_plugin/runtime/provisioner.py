@@ -441,6 +441,8 @@ class Provisioner:
         kept more, whose floor is checked at once (an error with the numbers where it no longer fits)."""
         e, cost = f.event, self.decider.costs[f.kind]
         measured = self.ledger.by_op(micro_batch=e.micro_batch)
+        if not measured:  # its saves are gone already (its backward ran before end_forward): nothing to compare
+            return
         e.misses, corrected = self.calibration.check(
             f.kind, cost, measured, e.tokens, e.routed, e.seq_len, f.decided.plan, self.stage.options
         )

@@ -1,0 +1,70 @@
+"""The cost model checked against the Ledger while training (`runtime.calibration`): an op that
+saves a tensor its cost model does not know (what a new transformers release does) is named once,
+never becomes an out-of-memory error while the floor fits, and the next micro-batches are planned
+on what it kept."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+import bagualu_plugin as bgl
+from bagualu_plugin.adapters import tiny_model
+from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.runtime.boundaries import ForwardKind
+
+BATCH, SEQ, MICRO_BATCHES, STEPS = 2, 32, 2, 3
+EXACT = {"allowed": ["recompute", "offload"]}
+
+
+COPIES = 8
+
+
+def _saving_more(forward):
+    """`forward`, now also saving a storage of `COPIES` times its output's size (exp saves its
+    result), as a release that changes the op would; the values are unchanged (output + 0)."""
+
+    def more(hidden_states):
+        output = forward(hidden_states)
+        return output + output.expand(COPIES, *output.shape).exp().sum(0) * 0
+
+    return more
+
+
+def test_an_op_that_saves_more_than_its_cost_model_is_named_once_and_planned_for():
+    model = tiny_model("qwen3_moe", num_hidden_layers=4)
+    norm = model.model.layers[1].post_attention_layernorm  # op 1.mlp_norm
+    cm = model_cost(model)
+    capacity = int(0.6 * cm.activation_bytes(BATCH * SEQ, seq_len=SEQ))  # activations only: no static bytes counted
+    prov = bgl.apply(model, {"hardware": {"capacity_bytes": capacity}, "budget": {"non_activation_bytes": 0}, "strategies": EXACT,
+                             "pipeline": {"micro_batches": MICRO_BATCHES}})
+    norm.forward = _saving_more(norm.forward)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(STEPS):
+                for _ in range(MICRO_BATCHES):
+                    ids = torch.randint(0, 128, (BATCH, SEQ), generator=g)
+                    (model(input_ids=ids, labels=ids.clone()).loss / MICRO_BATCHES).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    finally:
+        del norm.forward
+        prov.remove()
+    events = list(prov.events)
+    assert len(events) == STEPS * MICRO_BATCHES and any(e.plan for e in events)
+    # no out-of-memory error, the first micro-batch's included: the gates after the op took what it
+    # kept beyond its prediction from their slack (without that, this capacity runs out in it)
+    assert prov.peak_device_bytes <= capacity
+    assert events[0].escalations
+    named = [str(w.message) for w in caught if "kept" in str(w.message) and "cost model" in str(w.message)]
+    assert len(named) == 1 and "op 1.mlp_norm of qwen3_moe kept" in named[0], named
+    extra = COPIES * BATCH * SEQ * model.config.hidden_size * 4  # exp's output, float32
+    first = events[0].misses
+    assert [m.op for m in first] == ["1.mlp_norm"] and first[0].measured - first[0].predicted == extra
+    assert all(e.misses == [] for e in events[1:])  # planned, and kept, on the bytes measured
+    corrected = prov.decider.costs[ForwardKind()]
+    assert corrected.activation_bytes(BATCH * SEQ, seq_len=SEQ) == cm.activation_bytes(BATCH * SEQ, seq_len=SEQ) + extra
