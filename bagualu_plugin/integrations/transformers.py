@@ -72,7 +72,8 @@ class BagualuCallback(TrainerCallback):
     def figures(self) -> dict[str, float]:
         """The plugin's figures: the peak device bytes so far (static memory plus the Ledger's
         activations) against the capacity; over the micro-batches since the last log the tightest budget, the most
-        mitigated ops in one plan, the gate's escalations and deferrals, planner ms per micro-batch."""
+        mitigated ops in one plan, the gate's escalations and deferrals, planner ms per micro-batch,
+        the ops that kept other bytes than the cost model predicted."""
         prov = self.provisioner
         new = list(prov.events)[len(prov.events) - min(prov.forwards - self._logged, len(prov.events)):]
         self._logged = prov.forwards
@@ -87,6 +88,8 @@ class BagualuCallback(TrainerCallback):
                 "bagualu/mitigated_ops": max(len(e.plan) for e in new),
                 "bagualu/escalations": sum(len(e.escalations) + len(e.deferred) for e in new),
                 "bagualu/planner_ms": 1e3 * sum(e.planner_s for e in new) / len(new),
+                # ops that kept other bytes than the cost model predicted (`runtime.calibration`)
+                "bagualu/cost_model_misses": sum(len(e.misses) for e in new),
             })
         return figures
 
