@@ -16,8 +16,11 @@ from .parallel import expert_parallel
 from .runtime.plan_runtime import apply_plan
 from .runtime.profiler import profile
 from .runtime.provisioner import apply
+from .versions import warn_untested
 
 __version__ = "0.1.0"
+
+warn_untested()  # once: a module's body runs once per process
 
 __all__ = [
     "CostModel", "HardwareSpec", "ModelDims", "OpId", "Parallel", "Plan", "Recipe", "RecipeError",
