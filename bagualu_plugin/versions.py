@@ -14,7 +14,7 @@ from packaging.version import Version
 
 TESTED: dict[str, tuple[str, str]] = {
     "torch": ("2.13.0", "2.13.0"),
-    "transformers": ("5.23.0", "5.25.0"),
+    "transformers": ("5.24.0", "5.25.0"),
     "trl": ("1.16.0", "1.16.0"),
     "peft": ("0.21.0", "0.21.2"),
     "accelerate": ("1.10.1", "1.16.0"),

@@ -34,17 +34,17 @@ def test_the_tested_range_is_what_ci_installs():
 def test_a_version_outside_the_range_is_named_with_the_range():
     assert versions.untested({"transformers": "5.25.0", "torch": "2.13.0+cpu", "trl": None}) == []
     assert versions.untested({"transformers": "5.26.0", "peft": "0.20.0"}) == [
-        "transformers 5.26.0 (tested: 5.23.0 to 5.25.0)", "peft 0.20.0 (tested: 0.21.0 to 0.21.2)",
+        "transformers 5.26.0 (tested: 5.24.0 to 5.25.0)", "peft 0.20.0 (tested: 0.21.0 to 0.21.2)",
     ]
 
 
 def test_importing_warns_once_outside_the_range(monkeypatch):
     import warnings
 
-    monkeypatch.setattr(versions, "untested", lambda: ["transformers 6.0.0 (tested: 5.23.0 to 5.25.0)"])
+    monkeypatch.setattr(versions, "untested", lambda: ["transformers 6.0.0 (tested: 5.24.0 to 5.25.0)"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         versions.warn_untested()
     assert [str(w.message)[:80] for w in caught] == [
-        "bagualu-plugin has not been tested with transformers 6.0.0 (tested: 5.23.0 to 5.25.0)"[:80]
+        "bagualu-plugin has not been tested with transformers 6.0.0 (tested: 5.24.0 to 5.25.0)"[:80]
     ]

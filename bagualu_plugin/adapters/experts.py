@@ -42,7 +42,7 @@ try:
 except ImportError as error:  # _grouped_linear: private helper of transformers' MoE integration
     raise ImportError(
         "bagualu_plugin's experts implementation needs transformers.integrations.moe.ExpertsInterface and "
-        "_grouped_linear, and transformers.integrations.finegrained_fp8.FP8ExpertsInterface (transformers>=5.23,<6); "
+        "_grouped_linear, and transformers.integrations.finegrained_fp8.FP8ExpertsInterface (transformers>=5.24,<6); "
         "the installed transformers does not provide them"
     ) from error
 
