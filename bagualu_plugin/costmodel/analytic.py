@@ -586,7 +586,8 @@ def _trl_fused_head(blk: _Block) -> BlockGraph:
     """TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`, which SFTTrainer installs): the
     backbone's output, shifted, goes through TRL's own autograd function, which projects it onto
     the vocabulary in tiles and keeps, per position with a next token (B x (L - 1): T - N), a
-    contiguous copy of the hidden state, the target, the FP32 log-normaliser and entropy; the
+    contiguous copy of the hidden state (of one sequence, the whole output it is a view of), the
+    target, the FP32 log-normaliser and entropy; the
     per-token outputs are masked (a boolean mask each, for log-probabilities and entropy) and the
     loss divides by a count (the caller's `num_items_in_batch`, or its own integer one). No logits
     exist. Nothing of it can be mitigated by a plan (the function is TRL's), so its tensors are
@@ -597,7 +598,10 @@ def _trl_fused_head(blk: _Block) -> BlockGraph:
     for name, width, size in (("hidden", h, b), ("targets", 1, _I64), ("log_z", 1, _F32), ("entropy", 1, _F32), ("mask", 1, 1),
                               ("entropy_mask", 1, 1)):
         floating = name in ("hidden", "log_z", "entropy")
-        blk.save("loss", blk.tensor(f"loss.{name}", "loss", LinearForm(per_token=width, per_sequence=-width), size,
+        # one sequence: its shifted hidden rows are already contiguous, a view of the whole
+        # backbone output, whose storage (all L rows) the function then keeps
+        whole = width if name == "hidden" else 0
+        blk.save("loss", blk.tensor(f"loss.{name}", "loss", LinearForm(per_token=width, per_sequence=-width, per_single=whole), size,
                                     floating=floating, shared=True))
     divisor = blk.dims.loss_divisor_bytes or _I64  # the caller's token count, else the count of labelled positions
     blk.save("loss", blk.tensor("loss.divisor", "loss", LinearForm(const=1), divisor, floating=False, shared=True))

@@ -57,9 +57,10 @@ class MitigationOptions:
 class Footprint:
     """Saved activations of one forward micro-batch and the time its mitigation adds.
 
-    `offload_peaks`: the two largest amounts of host copies one op makes. In backward an op's
-    copies come back while the op before it is prefetched, so at most two ops' copies are on the
-    device at once: `reload_bytes`, room the micro-batch's backward needs beyond what it keeps."""
+    `offload_peaks`: the two largest amounts one op brings back to full precision in backward,
+    its host copies and its fp8 copies dequantized. An op's copies come back while the op before
+    it is prefetched, so at most two ops' are on the device at once: `reload_bytes`, room the
+    micro-batch's backward needs beyond what it keeps."""
 
     device_bytes: float = 0.0
     host_bytes: float = 0.0
@@ -214,7 +215,10 @@ def footprint(
 
     copy, cast = offload_copy(hw), cast_kernel(hw)
     device = host = fwd = bwd = 0.0
-    offloaded: dict[str, float] = {}  # host bytes per op: the first offloading saver makes the copy
+    # bytes each op brings back to full precision in backward: its host copies (the first
+    # offloading saver makes the copy) and its fp8 copies (the first quantising saver), each
+    # restored beside what the device keeps while the op's backward uses it
+    restored: dict[str, float] = {}
     if chunked:
         bwd += block.op("lm_head").forward_s.at(load)
     for t in tensors:
@@ -226,16 +230,18 @@ def footprint(
             device += size
         elif form == "fp8":
             stored = fp8_stored_bytes(t.elements.at(load), options.fp8_block_size)
+            maker = next(s for s in t.savers if plan.get(s) == "fp8")
+            restored[maker] = restored.get(maker, 0.0) + size
             device += stored
             fwd += cast.time(size + stored)
             bwd += cast.time(size + stored)
         elif form == "offload":
             maker = next(s for s in t.savers if plan.get(s) == "offload")
-            offloaded[maker] = offloaded.get(maker, 0.0) + size
+            restored[maker] = restored.get(maker, 0.0) + size
             host += size
             fwd += copy.time(size)
             bwd += copy.time(size)
-    return Footprint(device, host, fwd, bwd + replay, _two_largest(list(offloaded.values())))
+    return Footprint(device, host, fwd, bwd + replay, _two_largest(list(restored.values())))
 
 
 def device_bytes_by_op(
