@@ -219,9 +219,10 @@ def test_recorded_routing_is_tiled_over_the_preset(tmp_path):
 
 def test_the_simulated_figures_are_the_recorded_ones():
     """Every system's and level's simulated figures on glm-423b-a30b (8 iterations, default seed)
-    equal those recorded once BaGuaLu's forwards paid the gates' agreement under expert
-    parallelism (one small all-reduce per MoE layer; the other systems' figures unchanged); before
-    that, once the floor became the collective full recompute (M0 with the all-to-alls recomputed,
+    equal those recorded once an fp8 copy's restore in backward was priced beside the host copies'
+    (`Footprint.offload_peaks`; BaGuaLu +0.001%, static_under -0.16% tokens/s); before that, once
+    BaGuaLu's forwards paid the gates' agreement under expert parallelism (one small all-reduce per
+    MoE layer; the other systems' figures unchanged); before that, once the floor became the collective full recompute (M0 with the all-to-alls recomputed,
     the gates' collective escalation), and before that the figures of commit 225d5b3."""
     from pathlib import Path
 
