@@ -222,8 +222,9 @@ def test_the_simulated_figures_are_the_recorded_ones():
     equal those recorded once an fp8 copy's restore in backward was priced beside the host copies'
     (`Footprint.offload_peaks`; BaGuaLu +0.001%, static_under -0.16% tokens/s); before that, once
     BaGuaLu's forwards paid the gates' agreement under expert parallelism (one small all-reduce per
-    MoE layer; the other systems' figures unchanged); before that, once the floor became the collective full recompute (M0 with the all-to-alls recomputed,
-    the gates' collective escalation), and before that the figures of commit 225d5b3."""
+    MoE layer; the other systems' figures unchanged); before that, once the floor became the
+    collective full recompute (M0 with the all-to-alls recomputed, the gates' collective
+    escalation), and before that the figures of commit 225d5b3."""
     from pathlib import Path
 
     recorded = json.loads((Path(__file__).parent / "data" / "simulate-glm-423b-a30b-8.json").read_text())
