@@ -59,6 +59,7 @@ class Outcome:
     result: str  # fits, refused, out_of_memory, misses, error
     detail: str = ""
     micro_batches: int = 0
+    mitigated: int = 0  # micro-batches whose plan mitigated something
     peak: int = 0
     capacity: int = 0
 
@@ -161,7 +162,8 @@ def run(case: Case, root: Path) -> Outcome:
             prov.remove()
     events = list(prov.events)
     missed = [(e.micro_batch, [asdict(m) for m in e.misses]) for e in events if e.misses]
-    outcome = Outcome(case, "fits", micro_batches=len(events), peak=prov.peak_device_bytes, capacity=capacity)
+    outcome = Outcome(case, "fits", micro_batches=len(events), mitigated=sum(bool(e.plan) for e in events),
+                      peak=prov.peak_device_bytes, capacity=capacity)
     if prov.peak_device_bytes > capacity:
         outcome.result, outcome.detail = "out_of_memory", f"peak {prov.peak_device_bytes} over {capacity}"
     elif missed:

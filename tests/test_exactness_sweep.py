@@ -32,3 +32,23 @@ def test_the_case_fits_or_is_refused_before_training(index, root):
     assert outcome.result in ("fits", "refused"), (outcome.result, outcome.case, outcome.detail)
     if outcome.result != "refused":
         assert outcome.micro_batches and outcome.peak <= outcome.capacity, outcome
+
+
+GRID = [
+    sweep.Case(family, trainer, False, batch, length, accumulation, ("recompute", "offload"), 0.5, 0)
+    for family in sweep.FAMILIES
+    for trainer in ("sft", "hf")
+    for batch, length, accumulation in ((1, 24, 2), (2, 16, 1), (4, 40, 3))  # one sequence (no padding), padded batches
+]
+
+
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"{c.family}-{c.trainer}-{c.batch}x{c.length}x{c.accumulation}")
+def test_every_family_and_trainer_fits_exactly_at_a_capacity_that_forces_plans(case, root):
+    """SFTTrainer and HF's Trainer on every family over one-sequence and padded batches, with and
+    without accumulation, halfway between the floor and the unplanned micro-batch: every case fits
+    with every micro-batch keeping exactly what its kind's cost model says (recompute is allowed,
+    so the floor always fits: none is refused)."""
+    outcome = sweep.sweep([case], root)[0]
+    assert outcome.result == "fits", (outcome.result, outcome.detail)
+    assert outcome.micro_batches == 2 * case.accumulation and outcome.peak <= outcome.capacity
+    assert outcome.mitigated  # the capacity forced plans
