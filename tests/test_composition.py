@@ -24,6 +24,12 @@ def _state(model) -> list:
     return [{k: v for k, v in vars(m).items() if k != "forward"} for m in model.modules()]
 
 
+def _plugin_hooks(model) -> list:
+    """The forward hooks on the model's modules that the plugin's code registered."""
+    hooks = [h for m in model.modules() for h in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+    return [h for h in hooks if getattr(getattr(h, "__func__", h), "__module__", "").startswith("bagualu_plugin")]
+
+
 def _instance_forwards(model) -> dict:
     return {name: m.__dict__["forward"] for name, m in model.named_modules() if "forward" in m.__dict__}
 
@@ -138,10 +144,66 @@ def test_install_remove_reinstall_leaves_each_module_as_it_found_it():
     results = []
     for _ in range(2):
         runtime = PlanRuntime(model).install()
+        assert _plugin_hooks(model)
         runtime.set_plan({**PLAN, OpId(1, "expert_fc1"): "recompute", OpId(1, "shared_expert"): "offload"})
         results.append(_step(model, runtime))
         runtime.remove()
-        assert _state(model) == bare and _instance_forwards(model) == forwards
+        assert _state(model) == bare and _instance_forwards(model) == forwards and _plugin_hooks(model) == []
         runtime.remove()  # twice: nothing left to take back, nothing raises
     (loss_a, grads_a, kept_a), (loss_b, grads_b, kept_b) = results
     assert torch.equal(loss_a, loss_b) and kept_a == kept_b and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def test_sft_trainer_with_evaluation_between_steps_under_kernelize(tmp_path):
+    """transformers >= 5.25 kernelizes a `from_pretrained` model, and again at every `train()` /
+    `eval()` (here with the local kernel): SFTTrainer evaluating after every step switches both
+    ways while the plugin's regions are installed. Training is bitwise the run without the plugin,
+    under a capacity that forces plans, every micro-batch as its cost model says; the kernel is
+    what runs; at train end each module is as the plugin found it."""
+    kernels = pytest.importorskip("kernels")
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from bagualu_plugin.adapters.costs import model_cost
+    from bagualu_plugin.adapters.tiny import save_tiny, tiny_tokenizer
+    from bagualu_plugin.integrations.transformers import BagualuCallback
+
+    save_tiny("qwen3_moe", tmp_path / "ckpt", num_hidden_layers=3)
+    words = "the quick brown fox jumps over a lazy dog while experts route tokens".split()
+    texts = [" ".join(words[(i * 5 + j) % len(words)] for j in range(3 + i % 7)) for i in range(24)]
+    batch, length = 2, 24
+
+    def train(callbacks):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", local_files_only=True)
+        if not model.use_kernels:
+            pytest.skip("this transformers does not kernelize from_pretrained models")
+        tokenizer = tiny_tokenizer()
+        tokenizer.pad_token = tokenizer.eos_token
+        args = SFTConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=batch, per_device_eval_batch_size=batch,
+                         gradient_accumulation_steps=2, max_steps=2, eval_strategy="steps", eval_steps=1, max_length=length,
+                         learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0,
+                         gradient_checkpointing=False, disable_tqdm=True, bf16=False)
+        data = Dataset.from_dict({"text": texts})
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, eval_dataset=data.select(range(4)),
+                             processing_class=tokenizer, callbacks=callbacks)
+        with kernels.use_kernel_mapping({"RMSNorm": {"cpu": LocalRepository()}}):
+            trainer.train()
+        losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+        return model, losses, [p.detach().clone() for p in model.parameters()]
+
+    _, stock_losses, stock_weights = train([])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", local_files_only=True)
+    cm = model_cost(model)
+    unplanned = cm.activation_bytes(batch * length, seq_len=length)
+    floor = cm.activation_bytes(batch * length, seq_len=length, plan=cm.full_recompute())
+    callback = BagualuCallback({"hardware": {"capacity_bytes": (floor + unplanned) // 2}, "budget": {"non_activation_bytes": 0}})
+    KERNEL_CALLS.clear()
+    model, losses, weights = train([callback])
+    events = list(callback.provisioner.events)
+    assert losses == stock_losses and len(losses) == 2 and all(torch.equal(a, b) for a, b in zip(weights, stock_weights))
+    assert len(events) == 4 and any(e.plan for e in events) and all(e.misses == [] for e in events)
+    assert KERNEL_CALLS  # the local kernel ran inside the installed regions
+    assert _plugin_hooks(model) == []  # the plugin's hooks gone at train end, transformers' own stay
