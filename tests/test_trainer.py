@@ -113,6 +113,7 @@ def _compare(checkpoints, family: str, kind: str, lora: bool = False, bf16: bool
     model = ours[2].model
     costs = {}
     assert {e.kind["fused_head"] for e in events} == {kind == "sft"}  # TRL's head
+    assert next(iter(prov.decider.costs)).fused_head == (kind == "sft")  # the floor checked at train begin is its kind's
     assert {e.kind["masked"] for e in events} == {False, True}  # padded micro-batches and others
     for e in events:  # micro-batches of every length the collator made
         key = tuple(e.kind.items())

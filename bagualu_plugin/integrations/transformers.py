@@ -22,6 +22,7 @@ before the Trainer wraps the model in DDP: the callback does it at the end of th
 
 from __future__ import annotations
 
+import inspect
 from contextlib import ExitStack
 
 from transformers import TrainerCallback
@@ -29,6 +30,7 @@ from transformers import TrainerCallback
 from ..adapters import Adapter
 from ..costmodel import CostModel
 from ..derive import PartialRecipe, derive_recipe
+from ..runtime.boundaries import ForwardKind
 from ..runtime.ledger import Ledger
 from ..runtime.provisioner import Provisioner
 from ..runtime.static_memory import StaticMemory
@@ -61,7 +63,8 @@ class BagualuCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _check_arguments(args)
-        self.provisioner = Provisioner(model, derive_recipe(model, self.recipe, training_args=args), self.cost)
+        kind = ForwardKind(fused_head=self.cost is None and _fused_head(model))
+        self.provisioner = Provisioner(model, derive_recipe(model, self.recipe, training_args=args), self.cost, kind)
         self._logged = 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -136,6 +139,13 @@ def _log(state, logs: dict, figures: dict) -> None:
     logs.update(figures)
     if state.log_history and all(state.log_history[-1].get(k) == v for k, v in logs.items() if k not in figures):
         state.log_history[-1].update(figures)
+
+
+def _fused_head(model) -> bool:
+    """Whether TRL's fused LM head is on the model (SFTTrainer adds it in its `__init__`): every
+    training forward then runs with it, so the floor is checked for such forwards from the start."""
+    forward = Adapter(model).model.forward
+    return "fused_lm_head" in inspect.signature(forward, follow_wrapped=False).parameters
 
 
 def _check_arguments(args) -> None:

@@ -160,10 +160,14 @@ class _RecomputeOwner:
 
 
 class Provisioner:
-    def __init__(self, model: nn.Module, recipe: Recipe, cost: CostModel | None = None):
+    def __init__(self, model: nn.Module, recipe: Recipe, cost: CostModel | None = None, kind: ForwardKind = ForwardKind()):
         """`model` is this pipeline rank's stage; `cost` its cost model (default: the analytic one
-        of the model's config). With `pipeline.pp` 1 the micro-batches' boundaries are found on
-        the model (`runtime.boundaries`): no engine needs to call begin_forward and the rest."""
+        of the model's config, for forwards of `kind`: a trainer that knows how its forwards run,
+        TRL's fused head, has the floor checked for those, not for a plain forward it never
+        runs). With `pipeline.pp` 1 the micro-batches' boundaries are found on the model
+        (`runtime.boundaries`): no engine needs to call begin_forward and the rest."""
+        if cost is not None and kind != ForwardKind():
+            raise ValueError(f"Provisioner: a given cost model describes plain forwards; kind {kind} needs the analytic one (cost=None)")
         adapter = Adapter(model)
         if getattr(adapter.model, INSTALLED_ATTR, None) is not None:
             raise ValueError("bgl.apply: this model has a Provisioner installed already; call .remove() on it first")
@@ -181,11 +185,11 @@ class Provisioner:
         # the cost model of each kind of forward (`runtime.boundaries.ForwardKind`: attention with a
         # mask, TRL's fused head), the decider's, built when the first micro-batch of that kind
         # comes (`_add`); a given cost model has no twins
-        plain = cost or model_cost(model, recipe.hardware)
+        first = cost or model_cost(model, recipe.hardware, **kind._asdict())
         self._given_cost = cost is not None
         self.calibration = Calibration(adapter.family.model_type)
         static = self.static.measure() if measured else None
-        self.decider = Decider(Stage.of(recipe, plain, split=False, static_bytes=static), {ForwardKind(): plain}, on_band=self._prepare)
+        self.decider = Decider(Stage.of(recipe, first, split=False, static_bytes=static), {kind: first}, on_band=self._prepare)
         stage = self.stage
         self.ledger.static_bytes = stage.static_bytes
         # the schedule's phase of each forward: 1F1B's steady phase starts one forward before
