@@ -145,7 +145,11 @@ def _fused_head(model) -> bool:
     """Whether TRL's fused LM head is on the model (SFTTrainer adds it in its `__init__`): every
     training forward then runs with it, so the floor is checked for such forwards from the start."""
     forward = Adapter(model).model.forward
-    return "fused_lm_head" in inspect.signature(forward, follow_wrapped=False).parameters
+    while forward is not None:  # under wrappers of its own (accelerate's autocast), each `functools.wraps`'d
+        if "fused_lm_head" in inspect.signature(forward, follow_wrapped=False).parameters:
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
 
 
 def _check_arguments(args) -> None:
