@@ -55,10 +55,10 @@ def at_gate(
     the slack the later layers' gates may need (`GatePlan.after`), which this one leaves alone;
     `collective_bytes`: the same for the collective escalation (None: the layer has none), asked
     for only where the experts' escalation leaves the slack negative."""
-    extra = max((pairs - planned) * bytes_per_pair, 0.0)  # fewer pairs than planned give nothing back: the plan's estimate stands
+    extra = (pairs - planned) * bytes_per_pair
     usable = slack - reserve
-    if extra <= usable:  # a slack already short (a plan that could not fit its budget) does not fit
-        return GateDecision("fits", 0.0, slack - extra, headroom)
+    if extra <= usable:  # fewer pairs than planned give nothing back: the plan's estimate stands
+        return GateDecision("fits", 0.0, slack - max(extra, 0.0), headroom)
     overrun = extra - usable
     if overrun <= headroom:
         return GateDecision("defer", overrun, reserve, headroom - overrun)
