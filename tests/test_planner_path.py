@@ -1,6 +1,7 @@
 """`PathPlanner`: Algorithm 2 of paper §V-A as one budget-independent path per micro-batch shape,
 extended lazily, against `plan_micro_batch` from scratch on profiled and analytic cost models."""
 
+import math
 import random
 import traceback
 import weakref
@@ -120,7 +121,7 @@ def runs(cases):
                 n = BUDGETS.get(case.name, PROFILED_BUDGETS)[label != "all"]
                 wants, asks = {}, []
                 for k, routed in enumerate(_routings(case, rng)):
-                    pairs = tuple(-(-int(r) // case.routed_quantum) * case.routed_quantum for r in routed)
+                    pairs = tuple(math.ceil(r / case.routed_quantum) * case.routed_quantum for r in routed)
 
                     def scratch(floor, pairs=pairs, strategies=strategies, case=case):
                         phase[0] = "scratch"
@@ -225,7 +226,7 @@ def test_a_foreseen_routing_is_planned_as_the_greedy_from_scratch(cases):
         band = Band(PathPlanner(case.cm, case.budget_quantum, case.routed_quantum, case.allowed, case.options), case.tokens,
                     case.seq_len, NORMAL, SPIKE)
         for routed in _routings(case, rng):
-            pairs = tuple(-(-int(r) // case.routed_quantum) * case.routed_quantum for r in routed)
+            pairs = tuple(math.ceil(r / case.routed_quantum) * case.routed_quantum for r in routed)
             foresight = Foresight(band, dict(zip(case.cm.moe_layers, routed)))
             top = case.cm.footprint(case.tokens, pairs, case.seq_len, None, case.options).needed_bytes
             for budget in [0.0, 1.1 * top] + [rng.uniform(0.3 * top, top) for _ in range(4)]:
@@ -234,9 +235,30 @@ def test_a_foreseen_routing_is_planned_as_the_greedy_from_scratch(cases):
                 gates, slack = foresight.plan(budget)
                 assert gates.decision == want[1], f"{case.name} budget {floor} routed {pairs}"
                 assert slack == budget - want[1].activation_bytes - want[1].reload_bytes
-                assert gates.need == 0 and gates.planned == max(pairs)
+                assert gates.need == 0 and gates.planned == dict(zip(case.cm.moe_layers, map(float, pairs)))
                 if want[0] == "plan":
                     for layer, x in zip(case.cm.moe_layers, routed):
                         assert gates.at_gate(layer, x, slack, 0.0).action == "fits"
     with pytest.raises(ValueError, match=r"routed: no local routed pairs for MoE layers \[\d+"):
         Foresight(band, {})
+
+
+def test_gates_credit_fewer_pairs_against_the_routing_their_plan_was_made_for(cases):
+    """Routing is rounded up to the quantum (never truncated first), and each gate of a plan measures
+    the pairs that arrive against its own layer's planned pairs: where the micro-batch is over its
+    budget, pairs below plan fit only by what they really give back. Seed 7 of the exactness sweep
+    ran 929 bytes over when a gate credited 28.8 planned pairs on a plan made for 28."""
+    case = cases[0]
+    planner = PathPlanner(case.cm, case.budget_quantum, 1, case.allowed, case.options)
+    assert planner.key(case.tokens, [28.8, 28.0], case.seq_len)[2] == (29, 28)
+    band = Band(planner, case.tokens, case.seq_len, NORMAL, SPIKE)
+    assert band.planned == planner.key(case.tokens, [band.balanced * NORMAL], case.seq_len)[2][0] >= band.balanced * NORMAL
+    layers = case.cm.moe_layers
+    routed = {layer: band.balanced * (0.5 + i) for i, layer in enumerate(layers)}
+    gates, _ = Foresight(band, routed).plan(1e15)
+    assert gates.planned == {layer: float(math.ceil(x)) for layer, x in routed.items()}
+    for layer, planned in gates.planned.items():
+        per_pair = gates.costs[layer].per_pair
+        short = -per_pair / 2  # half a pair's bytes over budget already: one pair fewer gives it back
+        assert gates.at_gate(layer, planned - 1, short, 0.0).action == "fits"
+        assert gates.at_gate(layer, planned, short, 0.0).action != "fits"

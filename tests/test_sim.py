@@ -219,7 +219,9 @@ def test_recorded_routing_is_tiled_over_the_preset(tmp_path):
 
 def test_the_simulated_figures_are_the_recorded_ones():
     """Every system's and level's simulated figures on glm-423b-a30b (8 iterations, default seed)
-    equal those recorded once an fp8 copy's restore in backward was priced beside the host copies'
+    equal those recorded once the gates credited the pairs each plan was really made for (the
+    planner's rounded-up routing, not the band's unrounded top; BaGuaLu -0.012% tokens/s); before
+    that, once an fp8 copy's restore in backward was priced beside the host copies'
     (`Footprint.offload_peaks`; BaGuaLu +0.001%, static_under -0.16% tokens/s); before that, once
     BaGuaLu's forwards paid the gates' agreement under expert parallelism (one small all-reduce per
     MoE layer; the other systems' figures unchanged); before that, once the floor became the

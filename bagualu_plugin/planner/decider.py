@@ -82,9 +82,10 @@ class Band:
     def __init__(self, planner: PathPlanner, tokens: int, seq_len: int | None, normal: float, heaviest: float):
         cm = planner.cm
         self.balanced = tokens * cm.pairs_per_token
-        self.planned, self.heaviest = self.balanced * normal, self.balanced * heaviest
         self.moe_layers = cm.moe_layers
-        self._planner, self._key = planner, planner.key(tokens, [self.planned] * len(self.moe_layers), seq_len)
+        self._planner, self._key = planner, planner.key(tokens, [self.balanced * normal] * len(self.moe_layers), seq_len)
+        # the pairs the plans are made for (rounded up to the planner's quantum), which the gates credit
+        self.planned, self.heaviest = max(self._key[2], default=0.0), self.balanced * heaviest
         self.gates: dict[Decision, GatePlan] = {
             d: GatePlan.of(d, gate_costs(cm, d.plan, tokens, seq_len, self.planned, planner.options), self.planned, self.heaviest)
             for d in planner.complete(self._key)
@@ -109,9 +110,9 @@ class Foresight:
         self._planner = planner = PathPlanner(source.cm, source.budget_quantum, source.routed_quantum, source.strategies, source.options)
         tokens, seq_len, _ = band._key
         self._key = planner.key(tokens, [routed[layer] for layer in band.moe_layers], seq_len)
-        top = max(self._key[2], default=0)  # a gate's pairs never exceed their layer's, rounded up as planned
+        planned = dict(zip(band.moe_layers, self._key[2]))  # each layer's pairs, rounded up as planned
         self._gates = {
-            d: GatePlan.of(d, gate_costs(planner.cm, d.plan, tokens, seq_len, top, planner.options), top, top)
+            d: GatePlan.of(d, gate_costs(planner.cm, d.plan, tokens, seq_len, planned, planner.options), planned, planned)
             for d in planner.complete(self._key)
         }
 

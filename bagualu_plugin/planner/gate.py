@@ -91,15 +91,27 @@ def escalated(plan: Plan, layer: int, ops: tuple[str, ...] = EXPERT_OPS) -> Plan
     return plan.with_block(layer, dict.fromkeys(ops, "recompute"))
 
 
+def per_layer(pairs: float | Mapping[int, float], layers: list[int]) -> dict[int, float]:
+    """Local routed pairs per MoE layer: `pairs` for each of `layers`, or its own entry for each."""
+    if isinstance(pairs, Mapping):
+        missing = [layer for layer in layers if layer not in pairs]
+        if missing:
+            raise ValueError(f"planned pairs: none for MoE layers {missing}; got layers {sorted(pairs)}")
+        return {layer: float(pairs[layer]) for layer in layers}
+    return dict.fromkeys(layers, float(pairs))
+
+
 def gate_costs(
-    cm: CostModel, plan: Plan, tokens: int, seq_len: int | None, planned: float, options: MitigationOptions = MitigationOptions()
+    cm: CostModel, plan: Plan, tokens: int, seq_len: int | None, planned: float | Mapping[int, float],
+    options: MitigationOptions = MitigationOptions(),
 ) -> dict[int, LayerCost]:
-    """Per MoE layer of `cm` under `plan` at `planned` local pairs: the bytes of each extra local
+    """Per MoE layer of `cm` under `plan` at `planned` local pairs (one number for every layer,
+    or one per layer: what the plan was made for, `per_layer`): the bytes of each extra local
     routed pair, what recomputing its experts changes, and the bytes per pair then (none in one
     process; under expert parallelism the region holds the dispatched rows), and the same for the
     collective escalation under expert parallelism. Finite differences over `step` pairs of the
     cost model's (linear) saved bytes."""
-    step = 1024
+    step, planned = 1024, per_layer(planned, cm.moe_layers)
 
     def kept(layer: int, plan: Plan, routed: float) -> float:
         load = cm.loads(tokens, routed, seq_len)[layer]
@@ -107,20 +119,20 @@ def gate_costs(
         return footprint(cm.blocks[layer], names, load, cm.hardware, options).device_bytes
 
     costs = {}
-    for layer in cm.moe_layers:
-        base, up = kept(layer, plan, planned), escalated(plan, layer)
-        recomputed = kept(layer, up, planned)
+    for layer, at in planned.items():
+        base, up = kept(layer, plan, at), escalated(plan, layer)
+        recomputed = kept(layer, up, at)
         together = cm.blocks[layer].collective
         if together:
             both = escalated(plan, layer, together)
-            floor = kept(layer, both, planned)
-            collective = (floor - base, (kept(layer, both, planned + step) - floor) / step)
+            floor = kept(layer, both, at)
+            collective = (floor - base, (kept(layer, both, at + step) - floor) / step)
         else:
             collective = (None, 0.0)
         costs[layer] = LayerCost(
-            (kept(layer, plan, planned + step) - base) / step,
+            (kept(layer, plan, at + step) - base) / step,
             recomputed - base,
-            (kept(layer, up, planned + step) - recomputed) / step,
+            (kept(layer, up, at + step) - recomputed) / step,
             *collective,
         )
     return costs
@@ -136,15 +148,21 @@ class GatePlan:
     decision: Decision
     costs: Mapping[int, LayerCost]
     after: Mapping[int, float]
-    planned: float  # local routed pairs per MoE layer the plan was made for
+    planned: Mapping[int, float]  # local routed pairs of each MoE layer the plan was made for
     need: float
     floor: float = 0.0  # what every gate's strongest escalation frees at planned pairs, together
 
     @classmethod
-    def of(cls, decision: Decision, costs: Mapping[int, LayerCost], planned: float, heaviest: float) -> GatePlan:
+    def of(
+        cls, decision: Decision, costs: Mapping[int, LayerCost], planned: float | Mapping[int, float],
+        heaviest: float | Mapping[int, float],
+    ) -> GatePlan:
         """`decision`'s gates, each leaving room for its escalation at `heaviest` pairs:
-        max(0, `LayerCost.escalation_bytes`)."""
-        need = {layer: max(0.0, c.escalation_bytes(heaviest, planned)) for layer, c in costs.items()}
+        max(0, `LayerCost.escalation_bytes`). `planned`, `heaviest`: one number for every layer,
+        or one per layer (`per_layer`); a gate credits pairs below its own layer's `planned`."""
+        layers = list(costs)
+        planned, heaviest = per_layer(planned, layers), per_layer(heaviest, layers)
+        need = {layer: max(0.0, c.escalation_bytes(heaviest[layer], planned[layer])) for layer, c in costs.items()}
         after, later = {}, 0.0
         for layer in sorted(need, reverse=True):
             after[layer] = later
@@ -155,7 +173,7 @@ class GatePlan:
     def at_gate(self, layer: int, pairs: float, slack: float, headroom: float) -> GateDecision:
         """`at_gate` for `layer` when `pairs` local routed pairs arrive, with the micro-batch's
         current slack and headroom."""
-        c, planned = self.costs[layer], self.planned
+        c, planned = self.costs[layer], self.planned[layer]
         return at_gate(
             pairs, planned, c.per_pair, c.escalation_bytes(pairs, planned), slack, headroom, self.after[layer],
             c.collective_bytes(pairs, planned),
@@ -165,7 +183,7 @@ class GatePlan:
         """The collective escalation of `layer` on a rank that did not ask for it (another rank of
         the group did), from the slack and headroom it had before its own decision."""
         c = self.costs[layer]
-        return GateDecision("collective", 0.0, slack - c.collective_bytes(pairs, self.planned), headroom)
+        return GateDecision("collective", 0.0, slack - c.collective_bytes(pairs, self.planned[layer]), headroom)
 
 
 def plan_for_gates(

@@ -11,6 +11,7 @@ budget and routing.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
@@ -76,7 +77,7 @@ class PathPlanner:
         """The path a shape and routing (rounded up) are answered from: `answer`'s first argument,
         for a caller that asks it again and again."""
         q = self.routed_quantum
-        return tokens, seq_len, None if routed is None else tuple(-(-int(r) // q) * q for r in routed)
+        return tokens, seq_len, None if routed is None else tuple(math.ceil(r / q) * q for r in routed)
 
     def answer(self, key: _Key, budget: float) -> Decision:
         """`plan` on the path `key` names."""
