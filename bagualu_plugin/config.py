@@ -172,11 +172,16 @@ class Budget(_Section):
     grad_bytes_per_param: float = Field(default=4.0, ge=0)
     optimizer_bytes_per_param: float = Field(default=12.0, ge=0)
     shard_optimizer: bool = Field(default=True, description="optimizer state divided over dp ranks")
+    shard_gradients: bool = Field(default=False, description="gradients divided over dp ranks too (ZeRO-2)")
     fsdp: bool = Field(
         default=False,
-        description="FSDP full shard: weights, gradients and optimizer state divided over dp ranks, "
+        description="full shard (FSDP2, ZeRO-3): weights, gradients and optimizer state divided over dp ranks, "
         "plus two decoder layers' weights gathered whole (one running, one prefetched)",
     )
+    offload_optimizer: bool = Field(
+        default=False, description="optimizer state and its gradients in host memory (ZeRO-Offload, FSDP2's CPU offload)"
+    )
+    offload_params: bool = Field(default=False, description="with fsdp: the weight shards in host memory too")
 
 
 class Telemetry(_Section):
@@ -241,6 +246,8 @@ class Recipe(_Section):
         problems = []
         if self.budget.fsdp and par.ep != 1:
             problems.append(("budget.fsdp", f"FSDP shards the experts itself: parallel.ep must be 1, got {par.ep}"))
+        if self.budget.offload_params and not self.budget.fsdp:
+            problems.append(("budget.offload_params", "weight shards in host memory need budget.fsdp (full shard)"))
         if m.num_experts % par.ep:
             problems.append(("parallel.ep", f"ep ({par.ep}) must divide model.num_experts ({m.num_experts})"))
         if group % par.ep:

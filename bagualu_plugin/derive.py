@@ -36,10 +36,13 @@ PartialRecipe = Recipe | dict[str, Any] | str | os.PathLike[str] | None
 GPU_PRESETS = ("h200", "h100", "a100")  # matched by name in the CUDA device's name, e.g. "NVIDIA H100 80GB HBM3"
 
 
-def derive_recipe(model: nn.Module, recipe: PartialRecipe = None, *, accelerator=None, training_args=None) -> Recipe:
+def derive_recipe(
+    model: nn.Module, recipe: PartialRecipe = None, *, accelerator=None, training_args=None, budget: dict[str, Any] | None = None
+) -> Recipe:
     """`bgl.derive_recipe`: the full recipe of `model` as it trains here. `recipe` may be absent, a
     partial dict, a YAML path or a full `Recipe`; each section it gives is merged field by field
-    over the derived one (a `Recipe` is taken whole, its model section checked)."""
+    over the derived one (a `Recipe` is taken whole, its model section checked). `budget`: the
+    budget fields the sharding engine implies (`integrations.engines`)."""
     if accelerator is not None:
         device, processes = accelerator.device, accelerator.num_processes
     else:
@@ -49,15 +52,17 @@ def derive_recipe(model: nn.Module, recipe: PartialRecipe = None, *, accelerator
     size = getattr(training_args, "per_device_train_batch_size", None) or 1
     length = getattr(training_args, "max_length", None)  # TRL's; HF Trainer's arguments have no sequence length
     batch = {"seq_len": int(length), "micro_batch_size": int(size)} if length else None
-    return recipe_of(model, recipe, device=device, processes=processes, micro_batches=micro_batches, batch=batch)
+    return recipe_of(model, recipe, device=device, processes=processes, micro_batches=micro_batches, batch=batch, budget=budget)
 
 
 def recipe_of(
-    model: nn.Module, recipe: PartialRecipe, *, device: torch.device, processes: int, micro_batches: int, batch: dict | None
+    model: nn.Module, recipe: PartialRecipe, *, device: torch.device, processes: int, micro_batches: int, batch: dict | None,
+    budget: dict[str, Any] | None = None,
 ) -> Recipe:
     """`derive_recipe` from facts already read: the compute `device`, the data-parallel
-    `processes`, the gradient-accumulation `micro_batches` and the micro-batch shape (None: the
-    smallest, which the Provisioner grows to each larger micro-batch that arrives)."""
+    `processes`, the gradient-accumulation `micro_batches`, the micro-batch shape (None: the
+    smallest, which the Provisioner grows to each larger micro-batch that arrives) and the
+    sharding engine's `budget` fields."""
     source, given = _given(recipe)
     adapter = Adapter(model)
     derived_model = model_dims(adapter.model)
@@ -75,6 +80,7 @@ def recipe_of(
         "parallel": _merge(parallel, given.get("parallel")),
         "pipeline": _merge({"pp": 1, "rank": 0, "micro_batches": micro_batches}, given.get("pipeline")),
         "batch": _merge(batch or {"seq_len": 1, "micro_batch_size": 1}, given.get("batch")),
+        **({"budget": _merge(budget, given.get("budget"))} if budget else {}),
     }
     rest = {name: value for name, value in given.items() if name not in sections}
     return Recipe.from_dict({**sections, **rest}, source)

@@ -76,18 +76,22 @@ class Stage:
         tokens = recipe.batch.tokens
         if static_bytes is not None:
             static = static_bytes
-        elif budget.non_activation_bytes == "auto" and budget.fsdp:
-            static = stage.fsdp_static_bytes(
-                budget.weight_bytes_per_param, budget.grad_bytes_per_param, budget.optimizer_bytes_per_param, shards=par.dp
-            )
         elif budget.non_activation_bytes == "auto":
-            static = stage.static_bytes(
-                budget.weight_bytes_per_param,
-                budget.grad_bytes_per_param,
-                budget.optimizer_bytes_per_param,
-                dense_shards=par.dp if budget.shard_optimizer else 1,
-                expert_shards=par.dp * par.tp // par.ep if budget.shard_optimizer else 1,
-            )
+            # what the host keeps instead (offload) costs the device nothing
+            trained = 0.0 if budget.offload_optimizer or budget.offload_params else budget.grad_bytes_per_param
+            optimizer = 0.0 if budget.offload_optimizer or budget.offload_params else budget.optimizer_bytes_per_param
+            if budget.fsdp:
+                shards = 0.0 if budget.offload_params else budget.weight_bytes_per_param
+                static = stage.fsdp_static_bytes(budget.weight_bytes_per_param, trained, optimizer, shards=par.dp, shard_bytes=shards)
+            else:
+                static = stage.static_bytes(
+                    budget.weight_bytes_per_param,
+                    trained,
+                    optimizer,
+                    dense_shards=par.dp if budget.shard_optimizer else 1,
+                    expert_shards=par.dp * par.tp // par.ep if budget.shard_optimizer else 1,
+                    shard_gradients=budget.shard_gradients,
+                )
         else:
             static = budget.non_activation_bytes
         m0 = _floor(chunks, tokens, recipe) if budget.min_budget == "auto" else budget.min_budget

@@ -10,7 +10,9 @@ gradient-accumulation steps); on CPU `--capacity` is the simulated device memory
 for. `--no-plugin` is the same run without the plugin, its activations counted (not limited) as
 `bagualu/unplanned_peak_device_bytes`. Writes `--output-dir`/`log_history.json` (the Trainer's log
 records, the plugin's figures in them), `events.json` (the plugin's events of
-process 0) and `model/` (`save_pretrained`; under `--ep` the experts gathered whole).
+process 0), `parallel-rank{R}.json` (the parallel section process R derived) and `model/`
+(`save_pretrained`; under `--ep` the experts gathered whole). Under `torchrun` too, on one node
+or several (`--nnodes 2 --node_rank 0|1 --rdzv_backend c10d --rdzv_endpoint HOST:PORT`).
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
         save_expert_parallel(model, out / "model")
     elif trainer.is_world_process_zero():
         model.save_pretrained(out / "model")
+    if not args.no_plugin:  # what each process derived: its data- and expert-parallel rank among all
+        parallel = callback.provisioner.recipe.parallel.model_dump()
+        (out / f"parallel-rank{training.process_index}.json").write_text(json.dumps(parallel))
     if trainer.is_world_process_zero():
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
         if not args.no_plugin:
@@ -117,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
             last = trainer.state.log_history[-2]  # the last step's record (the final one is the run's summary)
             print(f"peak {last['bagualu/peak_device_bytes']} of {last['bagualu/capacity_bytes']} bytes, "
                   f"{len(events)} micro-batches planned; wrote {out}")
-    end_process(trainer.accelerator.wait_for_everyone)  # no process leaves the group while another still saves
+    # torch's gloo teardown at the interpreter's exit aborts now and then, with or without the plugin
+    # (benchmarks/gloo_exit.py: 3 of 20 plain DDP runs); past a barrier there is nothing left to tear down
+    end_process(trainer.accelerator.wait_for_everyone)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,22 @@ def test_every_family_and_trainer_fits_exactly_at_a_capacity_that_forces_plans(c
     assert outcome.result == "fits", (outcome.result, outcome.detail)
     assert outcome.micro_batches == 2 * case.accumulation and outcome.peak <= outcome.capacity
     assert outcome.mitigated  # the capacity forced plans
+
+
+FOUND = {  # cases the 500-case sweeps found out of memory, each at its cause
+    "seed7-gate-credit": sweep.Case("qwen2_moe", "loop", True, 1, 12, 1, ("offload", "fp8"), 0.567, 61278),
+    "seed20261204-aux-loss-moment": sweep.Case("qwen3_moe", "sft", False, 3, 31, 1, ("recompute",), 0.266, 21620),
+    "seed20261204-padded-floor": sweep.Case("mixtral", "loop", False, 2, 40, 3, ("offload", "fp8"), 0.593, 58944),
+}
+
+
+@pytest.mark.parametrize("name", FOUND)
+def test_what_the_large_sweeps_found_fits_or_is_refused(name, root):
+    """A gate that credited pairs below plan against the wrong routing (929 bytes over), the
+    load-balancing loss's top-k indices alive for a moment at the forward's end (2,000 bytes
+    over), a padded micro-batch longer than any padded one before whose M0 was not checked."""
+    outcome = sweep.sweep([FOUND[name]], root)[0]
+    assert outcome.result in ("fits", "refused"), (outcome.result, outcome.detail)
+    assert outcome.result == ("refused" if name.endswith("padded-floor") else "fits"), outcome.detail
+    if outcome.result == "refused":
+        assert "micro-batch 2 of 80 tokens (2 x 40) cannot fit" in outcome.detail

@@ -80,7 +80,7 @@ def test_algorithm_2_takes_the_largest_reduction_first():
     assert cm.footprint(1, plan={OpId(0, "c"): "recompute", OpId(0, "a"): "fp8"}).needed_bytes == 608 + 800
     d = plan_micro_batch(cm, 1000, tokens=1)
     assert dict(d.plan) == {OpId(0, "c"): "recompute", OpId(0, "a"): "recompute"} and d.activation_bytes == 800
-    assert d.reload_bytes == 0 and d.steps == 2
+    assert d.room_bytes == 0 and d.steps == 2
 
 
 def test_algorithm_2_rejects_conflicting_candidates_and_reports_infeasible_budgets():
@@ -94,7 +94,7 @@ def test_algorithm_2_rejects_conflicting_candidates_and_reports_infeasible_budge
     with pytest.raises(InfeasibleBudget, match=r"budget 1300 bytes .* at best 2000 bytes for 1 tokens") as err:
         plan_micro_batch(cm, 1300, tokens=1, strategies=("offload",))
     best = err.value.best
-    assert dict(best.plan) == {OpId(0, "a"): "offload"} and best.activation_bytes + best.reload_bytes == 2000
+    assert dict(best.plan) == {OpId(0, "a"): "offload"} and best.activation_bytes + best.room_bytes == 2000
     # the gates' planning runs that plan rather than stopping: lighter routing than planned may fit
     gates, slack = plan_for_gates(
         lambda b: plan_micro_batch(cm, b, tokens=1, strategies=("offload",)), lambda d: GatePlan.of(d, {}, 0.0, 0.0), 1300, 0.0, 0.0
@@ -145,7 +145,7 @@ def test_plans_leave_each_gate_what_it_needs_at_the_heaviest_routing():
         return cm.footprint(tokens, [heaviest], seq, escalated(p, layer), options).needed_bytes
 
     first = plan(budget)
-    assert budget - first.activation_bytes - first.reload_bytes < costs(first.plan)[layer].escalation_bytes(heaviest, planned)
+    assert budget - first.activation_bytes - first.room_bytes < costs(first.plan)[layer].escalation_bytes(heaviest, planned)
     assert kept_at_spike(first.plan) > budget
     gates, slack = plan_for_gates(plan, gates_of, budget, planned, heaviest)
     assert gates.decision.plan != first.plan and gates.after == {layer: 0.0}
@@ -173,13 +173,13 @@ def test_algorithm_2_fits_what_full_recompute_keeps():
     strategies = stage.recipe.strategies.allowed
     whole = cm.footprint(tokens, routed, seq, cm.full_recompute(), options).needed_bytes
     at_whole = plan_micro_batch(cm, whole, tokens, routed, seq, strategies, options)
-    assert at_whole.activation_bytes + at_whole.reload_bytes <= whole
+    assert at_whole.activation_bytes + at_whole.room_bytes <= whole
     with pytest.raises(InfeasibleBudget):  # without recompute nothing gets there
         plan_micro_batch(cm, whole, tokens, routed, seq, ("offload", "fp8"), options)
     roomy = plan_micro_batch(cm, 2 * whole, tokens, routed, seq, strategies, options)
-    assert dict(roomy.plan) != cm.full_recompute() and roomy.activation_bytes + roomy.reload_bytes <= 2 * whole
+    assert dict(roomy.plan) != cm.full_recompute() and roomy.activation_bytes + roomy.room_bytes <= 2 * whole
     assert stage.min_budget < whole
     with pytest.raises(InfeasibleBudget) as below:
         plan_micro_batch(cm, stage.min_budget, tokens, routed, seq, strategies, options)
     best = below.value.best
-    assert best.activation_bytes + best.reload_bytes <= whole
+    assert best.activation_bytes + best.room_bytes <= whole

@@ -133,7 +133,7 @@ def runs(cases):
                         wants[0, pairs] = scratch(0)
                         asks.append((0.0, routed, 0, pairs))
                     end = wants[0, pairs][1]
-                    for budget in _budgets(case, strategies, pairs, end.activation_bytes + end.reload_bytes, rng, n, k):
+                    for budget in _budgets(case, strategies, pairs, end.activation_bytes + end.room_bytes, rng, n, k):
                         floor = int(budget // case.budget_quantum) * case.budget_quantum
                         if (floor, pairs) not in wants:  # distinct cases only
                             wants[floor, pairs] = scratch(floor)
@@ -234,7 +234,7 @@ def test_a_foreseen_routing_is_planned_as_the_greedy_from_scratch(cases):
                 want = _outcome(plan_micro_batch, case.cm, floor, case.tokens, pairs, case.seq_len, case.allowed, case.options)
                 gates, slack = foresight.plan(budget)
                 assert gates.decision == want[1], f"{case.name} budget {floor} routed {pairs}"
-                assert slack == budget - want[1].activation_bytes - want[1].reload_bytes
+                assert slack == budget - want[1].activation_bytes - want[1].room_bytes
                 assert gates.need == 0 and gates.planned == dict(zip(case.cm.moe_layers, map(float, pairs)))
                 if want[0] == "plan":
                     for layer, x in zip(case.cm.moe_layers, routed):

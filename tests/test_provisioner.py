@@ -49,7 +49,7 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
         assert [e["micro_batch"] for e in lines] == [0, 1, 2, 3, 4, 5]  # written in backward order
         fields = [
             "micro_batch", "phase", "budget", "predicted", "plan", "escalations", "deferred", "tokens", "seq_len",
-            "reload_bytes", "planner_s", "actual", "peak_device_bytes", "live_after_backward", "point", "routed",
+            "room_bytes", "planner_s", "actual", "peak_device_bytes", "live_after_backward", "point", "routed",
             "balanced_pairs", "kind", "misses",
         ]
         assert all(list(e) == fields for e in lines)

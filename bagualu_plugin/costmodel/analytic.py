@@ -43,6 +43,7 @@ class _Block:
         self.keeps_rope = False  # a decoder layer's RoPE products keep the tables (q or k requires grad)
         self.trains = dims.lora is None  # the model's own weights train (else only the adapters)
         self.dense_params = self.expert_params = 0
+        self.transient = LinearForm()  # `BlockGraph.transient`
         self.adapter_params = [0, 0]  # (dense, expert) of the LoRA adapters, in dense_params and expert_params
 
     # load units: per token of the micro-batch (split by tp), per routed pair, per score pair
@@ -126,7 +127,9 @@ class _Block:
         spans = standard_spans(self.kind, ops)
         dense, expert = self.adapter_params
         frozen = (0, 0) if self.trains else (self.dense_params - dense, self.expert_params - expert)
-        return BlockGraph(self.kind, tuple(self.ops), tensors, self.dense_params, self.expert_params, units, spans, frozen)
+        return BlockGraph(
+            self.kind, tuple(self.ops), tensors, self.dense_params, self.expert_params, units, spans, frozen, self.transient
+        )
 
     # building pieces shared by several ops ------------------------------------------------
     def rmsnorm(self, op: str, prefix: str, inp: str, width: int, groups: int = 1) -> bool:
@@ -617,11 +620,15 @@ def _router_aux_loss(blk: _Block) -> None:
     at the head, over every MoE layer's router logits: a softmax per layer keeps its
     probabilities (in the logits' dtype), and the product with the (gradient-free) tokens per expert keeps those; with
     an attention mask the probabilities are weighted by the flat FP32 mask, and divided by its
-    sum. Kept whatever the plan: the head computes it from logits the routers returned."""
+    sum. Kept whatever the plan: the head computes it from logits the routers returned. Its top-k
+    saves the selected experts' indices, freed with the unused top-k values before the loss
+    returns: a moment's room of every MoE layer's (transformers 5.24 takes them all at once from
+    the concatenated logits; 5.25 layer by layer, at most two alive together)."""
     d = blk.dims
     if d.router_aux_loss == "none":
         return
     e, moe = d.num_experts, d.num_layers - d.first_k_dense
+    blk.transient = LinearForm(per_token=moe * d.top_k * _I64)
     tensors = [("probs", LinearForm(per_token=e * moe), blk.b), ("tokens_per_expert", LinearForm(const=e), _F32)]
     if d.router_aux_loss == "attention_mask":
         tensors += [("mask", LinearForm(per_token=1), _F32), ("rows", LinearForm(const=1), _F32)]

@@ -149,6 +149,8 @@ class BlockGraph:
     spans: tuple[tuple[str, ...], ...] = ()  # op runs recomputed in part by replaying them whole
     frozen_params: tuple[int, int] = (0, 0)  # (dense, expert) of those that do not train (LoRA's frozen
     # base): weights without gradients or optimizer state
+    transient: LinearForm = LinearForm()  # bytes saved for a moment in the block's forward and freed
+    # before it ends (the load-balancing loss's top-k indices): room, never kept, whatever the plan
 
     def __post_init__(self) -> None:
         names = [op.name for op in self.ops]

@@ -60,13 +60,16 @@ class Footprint:
     `offload_peaks`: the two largest amounts one op brings back to full precision in backward,
     its host copies and its fp8 copies dequantized. An op's copies come back while the op before
     it is prefetched, so at most two ops' are on the device at once: `reload_bytes`, room the
-    micro-batch's backward needs beyond what it keeps."""
+    micro-batch's backward needs beyond what it keeps. `transient_bytes`: what a block saves for a
+    moment in the forward and frees before the forward ends (`BlockGraph.transient`), room needed
+    then, before any backward: `room_bytes` is the larger of the two."""
 
     device_bytes: float = 0.0
     host_bytes: float = 0.0
     forward_extra_s: float = 0.0
     backward_extra_s: float = 0.0
     offload_peaks: tuple[float, ...] = ()
+    transient_bytes: float = 0.0
 
     def __add__(self, other: Footprint) -> Footprint:
         return Footprint(
@@ -75,6 +78,7 @@ class Footprint:
             self.forward_extra_s + other.forward_extra_s,
             self.backward_extra_s + other.backward_extra_s,
             _two_largest(self.offload_peaks + other.offload_peaks),
+            max(self.transient_bytes, other.transient_bytes),  # blocks' forwards end one after another
         )
 
     @property
@@ -82,9 +86,15 @@ class Footprint:
         return sum(self.offload_peaks)
 
     @property
+    def room_bytes(self) -> float:
+        """Room the micro-batch needs beyond what it keeps: at its forward's end, or in its backward."""
+        return max(self.reload_bytes, self.transient_bytes)
+
+    @property
     def needed_bytes(self) -> float:
-        """What the micro-batch needs on the device: what it keeps, and room to bring its copies back."""
-        return self.device_bytes + self.reload_bytes
+        """What the micro-batch needs on the device: what it keeps, and room for a moment's saves
+        and to bring its copies back."""
+        return self.device_bytes + self.room_bytes
 
 
 def _two_largest(values: Sequence[float]) -> tuple[float, ...]:
@@ -241,7 +251,7 @@ def footprint(
             host += size
             fwd += copy.time(size)
             bwd += copy.time(size)
-    return Footprint(device, host, fwd, bwd + replay, _two_largest(list(restored.values())))
+    return Footprint(device, host, fwd, bwd + replay, _two_largest(list(restored.values())), block.transient.at(load))
 
 
 def device_bytes_by_op(

@@ -329,17 +329,23 @@ class CostModel:
         optimizer_bytes: float,
         dense_shards: int = 1,
         expert_shards: int = 1,
+        shard_gradients: bool = False,
     ) -> int:
         """Non-activation memory: weights of every local parameter, gradients of every trainable
         one, their optimizer state sharded over the replicas of each parameter (data parallel for
-        dense, dp*tp/ep for experts)."""
+        dense, dp*tp/ep for experts), and the gradients too where `shard_gradients` (ZeRO-2)."""
         dense, expert = self.parameter_counts(trainable=True)
-        trained = dense * (grad_bytes + optimizer_bytes / dense_shards) + expert * (grad_bytes + optimizer_bytes / expert_shards)
+        dense_grad, expert_grad = (grad_bytes / dense_shards, grad_bytes / expert_shards) if shard_gradients else (grad_bytes,) * 2
+        trained = dense * (dense_grad + optimizer_bytes / dense_shards) + expert * (expert_grad + optimizer_bytes / expert_shards)
         return round(sum(self.parameter_counts()) * weight_bytes + trained)
 
-    def fsdp_static_bytes(self, weight_bytes: float, grad_bytes: float, optimizer_bytes: float, shards: int, gathered: int = 2) -> int:
-        """Non-activation memory under FSDP full shard: every local parameter's weights and every
-        trainable one's gradients and optimizer state divided over `shards`, plus the largest
+    def fsdp_static_bytes(
+        self, weight_bytes: float, grad_bytes: float, optimizer_bytes: float, shards: int, gathered: int = 2,
+        shard_bytes: float | None = None,
+    ) -> int:
+        """Non-activation memory under full shard (FSDP2, ZeRO-3): every local parameter's weights
+        (`shard_bytes` per parameter, default `weight_bytes`; 0 with the shards in host memory) and
+        every trainable one's gradients and optimizer state divided over `shards`, plus the largest
         decoder layer's weights whole, `gathered` times (the one running and the one prefetched).
         Recompute adds no all-gather
         under FSDP2 (measured in tests/test_fsdp.py, units of decoder layers or finer): a region
@@ -347,7 +353,7 @@ class CostModel:
         rooflines price it with none, and its gathered weights are the layer counted here."""
         params, trainable = sum(self.parameter_counts()), sum(self.parameter_counts(trainable=True))
         layer = max((self.blocks[i].dense_params + self.blocks[i].expert_params for i in self.layers), default=0)
-        sharded = params * weight_bytes + trainable * (grad_bytes + optimizer_bytes)
+        sharded = params * (weight_bytes if shard_bytes is None else shard_bytes) + trainable * (grad_bytes + optimizer_bytes)
         return round(sharded / shards + gathered * layer * weight_bytes)
 
     # persistence -----------------------------------------------------------------------------
@@ -367,6 +373,7 @@ class CostModel:
                     "frozen_params": list(b.frozen_params),
                     "units": [list(u) for u in b.units],
                     "spans": [list(s) for s in b.spans],
+                    "transient": b.transient.to_dict(),
                     "ops": [
                         {"name": o.name, "inputs": list(o.inputs), "forward_s": o.forward_s.to_dict(), "backward_s": o.backward_s.to_dict()}
                         for o in b.ops
@@ -399,7 +406,8 @@ class CostModel:
             units = tuple(tuple(u) for u in b["units"])
             spans = tuple(tuple(s) for s in b.get("spans", ()))  # files saved before spans existed have none
             frozen = tuple(b.get("frozen_params", (0, 0)))  # nor frozen parameters before LoRA
-            blocks[b["index"]] = BlockGraph(b["kind"], ops, tensors, b["dense_params"], b["expert_params"], units, spans, frozen)
+            transient = LinearForm.from_dict(b.get("transient", {}))  # nor a moment's saves before they were priced
+            blocks[b["index"]] = BlockGraph(b["kind"], ops, tensors, b["dense_params"], b["expert_params"], units, spans, frozen, transient)
         hw = HardwareSpec.model_validate(data["hardware"], strict=False)
         return cls(blocks, hw, data["pairs_per_token"], data["name"], data["source"])
 

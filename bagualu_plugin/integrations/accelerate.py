@@ -88,4 +88,6 @@ def shard_experts_for_ddp(model: nn.Module) -> None:
     experts = expert_shards(model)
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(experts))
     for name in experts:
-        model.get_parameter(name).register_hook(lambda grad: grad / processes)
+        weight = model.get_parameter(name)
+        if weight.requires_grad:  # frozen under LoRA: no gradient to average
+            weight.register_hook(lambda grad: grad / processes)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 from contextlib import ExitStack
 
+from accelerate.state import AcceleratorState
 from transformers import TrainerCallback
 
 from ..adapters import Adapter
@@ -35,6 +36,7 @@ from ..runtime.ledger import Ledger
 from ..runtime.provisioner import Provisioner
 from ..runtime.static_memory import StaticMemory
 from .accelerate import shard_experts_for_ddp
+from .engines import trainer_budget
 
 # training arguments that would make a second owner of recompute, offload or the loss (the first
 # name is the one the error tells the user to set; transformers 5 also spells it the second way)
@@ -59,12 +61,19 @@ class BagualuCallback(TrainerCallback):
         _check_arguments(args)
         given = self.recipe.get("parallel", {}) if isinstance(self.recipe, dict) else {}
         if given.get("ep", 1) > 1:
+            engine = next((n for n in ("fsdp_plugin", "deepspeed_plugin") if getattr(_accelerator_state(), n, None)), None)
+            if engine is not None:
+                raise ValueError(
+                    f"BagualuCallback: parallel.ep={given['ep']}: expert parallelism runs inside DistributedDataParallel, "
+                    f"but the Trainer runs {engine.split('_')[0]}, which shards the experts itself; drop parallel.ep"
+                )
             shard_experts_for_ddp(model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _check_arguments(args)
         kind = ForwardKind(fused_head=self.cost is None and _fused_head(model))
-        self.provisioner = Provisioner(model, derive_recipe(model, self.recipe, training_args=args), self.cost, kind)
+        budget = trainer_budget(args, _accelerator_state())
+        self.provisioner = Provisioner(model, derive_recipe(model, self.recipe, training_args=args, budget=budget), self.cost, kind)
         self._logged = 0
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -139,6 +148,11 @@ def _log(state, logs: dict, figures: dict) -> None:
     logs.update(figures)
     if state.log_history and all(state.log_history[-1].get(k) == v for k, v in logs.items() if k not in figures):
         state.log_history[-1].update(figures)
+
+
+def _accelerator_state() -> AcceleratorState | None:
+    """The Trainer's accelerate state (a process-wide singleton), None before one exists."""
+    return AcceleratorState() if AcceleratorState._shared_state else None
 
 
 def _fused_head(model) -> bool:

@@ -123,7 +123,7 @@ class Foresight:
             decision = self._planner.answer(self._key, budget)
         except InfeasibleBudget as exc:
             decision = exc.best
-        return self._gates[decision], budget - decision.activation_bytes - decision.reload_bytes
+        return self._gates[decision], budget - decision.activation_bytes - decision.room_bytes
 
 
 class Decider:
@@ -231,7 +231,7 @@ class Decider:
         return decision
 
     def end(self, f: Forward, actual: int) -> None:
-        """Forward `f` kept `actual` bytes (its reload room included): its budget becomes that."""
+        """Forward `f` kept `actual` bytes (its room included): its budget becomes that."""
         self.budgets.record(f.k, actual)
 
 

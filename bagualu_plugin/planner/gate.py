@@ -199,14 +199,14 @@ def plan_for_gates(
     report. If no plan fits the budget even at `planned` pairs, the plan is the most Algorithm 2
     can save (`InfeasibleBudget.best`, its slack negative): lighter routing than planned may
     still fit. Returns the plan's gates and its slack: the budget less what the plan keeps and
-    its reload room."""
+    its room (`Footprint.room_bytes`)."""
     try:
         decision = plan(budget)
     except InfeasibleBudget as exc:
         decision = exc.best
     while True:
         chosen = gates(decision)
-        slack = budget - decision.activation_bytes - decision.reload_bytes
+        slack = budget - decision.activation_bytes - decision.room_bytes
         if slack >= chosen.need or heaviest <= planned:
             return chosen, slack
         try:

@@ -42,7 +42,7 @@ class InfeasibleBudget(RuntimeError):
 class Decision:
     plan: Plan
     activation_bytes: float  # predicted device bytes kept by the micro-batch under `plan`
-    reload_bytes: float  # room its backward needs to bring offloaded copies back (Footprint)
+    room_bytes: float  # room beyond what it keeps: its backward's reloads or a moment's saves (`Footprint.room_bytes`)
     forward_extra_s: float
     backward_extra_s: float
     steps: int  # candidates applied
@@ -178,14 +178,14 @@ def _infeasible(
     """A new `InfeasibleBudget` for `budget` (never re-raise a kept one: each raise chains the
     raiser's frames onto its traceback), its best plan the greedy's end `last` or full recompute
     (`whole`), whichever needs less: the gates' escalations start from it."""
-    best = whole[1] if whole is not None and whole[0].needed_bytes < last.activation_bytes + last.reload_bytes else last
+    best = whole[1] if whole is not None and whole[0].needed_bytes < last.activation_bytes + last.room_bytes else last
     return InfeasibleBudget(
         f"budget {budget:.0f} bytes is below what any plan of {', '.join(strategies)} keeps: at best "
-        f"{best.activation_bytes + best.reload_bytes:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
+        f"{best.activation_bytes + best.room_bytes:.0f} bytes for {tokens} tokens; raise the budget (capacity, reserve, "
         "in-flight micro-batches) or allow more strategies",
         best,
     )
 
 
 def _decision(plan: dict[OpId, str], cost: Footprint, steps: int) -> Decision:
-    return Decision(Plan(plan), cost.device_bytes, cost.reload_bytes, cost.forward_extra_s, cost.backward_extra_s, steps)
+    return Decision(Plan(plan), cost.device_bytes, cost.room_bytes, cost.forward_extra_s, cost.backward_extra_s, steps)

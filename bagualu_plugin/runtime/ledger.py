@@ -117,7 +117,9 @@ def _watch(ledger: Ledger, module: nn.Module) -> None:
 
         return run
 
-    handles += [module.register_forward_pre_hook(hook(True)), module.register_forward_hook(hook(False))]
+    # always called: a recompute that stops early (once it has what backward needs) leaves the
+    # module's forward by an exception, and its storages, freed by the engine, must not stay excluded
+    handles += [module.register_forward_pre_hook(hook(True)), module.register_forward_hook(hook(False), always_call=True)]
 
 
 def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int] | None:
@@ -254,7 +256,8 @@ class Ledger:
         after the ledger was made (`.cuda()`, `.to(dtype)`, DDP's `prepare`), or new objects
         (FSDP2's `fully_shard` replaces them with sharded ones). An FSDP2 module's whole parameters
         exist from its forward pre-hook, which gathers them, until its forward ends: they are
-        excluded for that time (`_watch_fsdp`). `refresh_if_changed` calls it when needed."""
+        excluded for that time (`_watch_engines`), as are ZeRO-3's. `refresh_if_changed` calls it
+        when needed."""
         self._stale = False  # first: a registration during the walk makes the next check walk again
         modules = () if self._model is None else tuple(self._model.modules())
         self._tree = frozenset(modules)
@@ -263,6 +266,8 @@ class Ledger:
         slots += [(self._exclude, i) for i in range(len(self._exclude))]
         keyed, empty = [], []
         for owner, name in slots:
+            if hasattr(owner[name], "ds_id"):  # ZeRO-3's: gathered into and freed from storages of its own,
+                continue  # excluded only while gathered (`_watch_engines`); one kept now could be an activation's later
             key = _key(owner[name])
             if key is None:
                 empty.append((owner, name))
@@ -274,7 +279,7 @@ class Ledger:
         self._excluded = frozenset(keys)
         static = [tensor for owner, name in slots if (tensor := owner[name]) is not None]
         self.device = self._device if self._device is not None else model_device(static)
-        self._watch_fsdp(modules)
+        self._watch_engines(modules)
 
     def refresh_if_changed(self) -> bool:
         """`refresh()` if a parameter or buffer may have changed since the last walk; whether it
@@ -295,17 +300,21 @@ class Ledger:
             return True
         return False
 
-    def _watch_fsdp(self, modules: Iterable[nn.Module]) -> None:
-        """Hooks after FSDP2's own on every module `fully_shard` made, registered once: its
-        parameters' storages are excluded while gathered (FSDP2's pre-forward hook, registered
-        first, has gathered them), also when a recompute runs the module again in backward.
-        `fully_shard` replaces the parameters it manages, so `refresh_if_changed` walks after it."""
+    def _watch_engines(self, modules: Iterable[nn.Module]) -> None:
+        """Hooks after a sharding engine's own, registered once on every module it gathers the
+        parameters of in a forward pre-hook: FSDP2's `fully_shard` modules, and the modules
+        holding DeepSpeed ZeRO-3 parameters (marked `ds_id`), whose `param.data` its pre-hooks
+        replace with the gathered whole. Their storages are excluded while gathered (the engine's
+        hook, registered first, has gathered them), also when a recompute runs the module again in
+        backward. Both engines replace the parameters' storages, so `refresh_if_changed` walks after."""
         try:
             from torch.distributed.fsdp import FSDPModule
         except ImportError:  # a torch without FSDP2
-            return
+            FSDPModule = ()  # noqa: N806
         for module in modules:
-            if isinstance(module, FSDPModule) and module not in self._watched:
+            if module in self._watched:
+                continue
+            if isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
                 self._watched.add(module)
                 _watch(self, module)
 

@@ -87,7 +87,7 @@ class Event:
     deferred: list[Deferral]
     tokens: int
     seq_len: int
-    reload_bytes: float = 0.0  # room its backward needs to bring offloaded copies back, counted in its budget
+    room_bytes: float = 0.0  # room beyond what it keeps, counted in its budget: its backward's reloads, or a moment's saves (Footprint)
     planner_s: float = 0.0
     actual: int | None = None  # set by end_forward
     peak_device_bytes: int | None = None  # static bytes plus the ledger's peak, at end_forward
@@ -180,7 +180,9 @@ class Provisioner:
             capacity_bytes=recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes if recipe.hardware.simulated else None,
         )
         budget = recipe.budget
-        measured = budget.non_activation_bytes == "auto" and not budget.fsdp  # else the recipe's number, or FSDP's formula
+        # else the recipe's number, or a sharding engine's formula (its shards are not the parameters' storages)
+        engine = budget.fsdp or budget.shard_gradients or budget.offload_optimizer
+        measured = budget.non_activation_bytes == "auto" and not engine
         self.static = StaticMemory(adapter.model, self.ledger) if measured else None
         # the cost model of each kind of forward (`runtime.boundaries.ForwardKind`: attention with a
         # mask, TRL's fused head), the decider's, built when the first micro-batch of that kind
@@ -209,6 +211,7 @@ class Provisioner:
         self._forward: _Forward | None = None
         self._foreseen: dict[int, tuple[tuple[int, int, ForwardKind], Foresight]] = {}  # by micro-batch (`foresee`)
         self._shapes: set[tuple[int, int, ForwardKind]] = set()  # (tokens, seq_len, kind) of the micro-batches seen
+        self._checked: dict[ForwardKind, list[tuple[int, int]]] = {}  # per kind, the (tokens, seq_len) whose M0 was checked
         self._peak = 0  # peak_device_bytes before the static bytes last changed
         setattr(adapter.model, INSTALLED_ATTR, self)
         self.boundaries = Boundaries(self) if recipe.pipeline.pp == 1 else None
@@ -272,15 +275,17 @@ class Provisioner:
             ) from None
 
     def _grow(self, mb: int, tokens: int, seq_len: int, kind: ForwardKind) -> None:
-        """A micro-batch larger than any before (or of a kind none was): M0 at its shape and kind,
-        checked to fit; the stage keeps the larger M0."""
+        """A micro-batch larger than any of its kind before (or of a kind none was): M0 at its
+        shape and kind, checked to fit; the stage keeps the larger M0. Each kind is checked at its
+        own shapes: a padded micro-batch as long as the plain ones keeps more than they do."""
         self._shapes.add((tokens, seq_len, kind))
-        stage = self.stage
         if kind not in self.decider.costs:
             self._add(kind)
-        elif tokens <= stage.tokens and seq_len <= stage.recipe.batch.seq_len:
+        checked = self._checked.setdefault(kind, [])
+        if any(tokens <= t and seq_len <= s for t, s in checked):
             return
         self._floor(mb, tokens, seq_len, kind)
+        checked.append((tokens, seq_len))
 
     def _floor(self, mb: int, tokens: int, seq_len: int, kind: ForwardKind) -> None:
         """M0 at micro-batch `mb`'s shape and kind, checked to fit; the stage keeps the larger M0."""
@@ -353,7 +358,7 @@ class Provisioner:
         if decided.slack + decided.gates.floor < 0:
             warnings.warn(
                 f"micro-batch {mb}: its budget of {budget} bytes is below what any plan keeps at the normal band's routing, "
-                f"every gate escalated ({decision.activation_bytes + decision.reload_bytes - decided.gates.floor:.0f} bytes): "
+                f"every gate escalated ({decision.activation_bytes + decision.room_bytes - decided.gates.floor:.0f} bytes): "
                 "it runs the most mitigated plan, which fits only lighter routing; raise the capacity or the pipeline "
                 "degree, or shorten the micro-batch",
                 RuntimeWarning, stacklevel=2,
@@ -361,7 +366,7 @@ class Provisioner:
         self.runtime.set_plan(decision.plan)
         event = Event(
             mb, scheduled, budget, decision.activation_bytes, decision.plan.named(), decided.escalations, decided.deferred, tokens, seq_len,
-            decision.reload_bytes, routed=decided.routed, balanced_pairs=decided.balanced, kind=kind._asdict(),
+            decision.room_bytes, routed=decided.routed, balanced_pairs=decided.balanced, kind=kind._asdict(),
         )
         self.ledger.micro_batch = mb
         hooks = ExitStack()
@@ -429,7 +434,7 @@ class Provisioner:
         f.hooks.close()
         self._forward = None
         actual = self.ledger.by_micro_batch().get(mb, 0)
-        self.decider.end(f.decided, actual + round(f.event.reload_bytes))
+        self.decider.end(f.decided, actual + round(f.event.room_bytes))
         f.event.actual = actual
         self._calibrate(f)
         f.event.peak_device_bytes = self.peak_device_bytes

@@ -27,12 +27,12 @@ class MicroBatch:
     forward_s: float
     backward_s: float
     device_bytes: float  # kept for backward
-    reload_bytes: float  # room its backward needs to bring offloaded copies back
+    room_bytes: float  # room beyond what it keeps: its backward's reloads or a moment's saves (`Footprint.room_bytes`)
 
     @property
     def held_bytes(self) -> float:
-        """What Algorithm 1 charges it (§V-A): what it keeps and its reload room."""
-        return self.device_bytes + self.reload_bytes
+        """What Algorithm 1 charges it (§V-A): what it keeps and its room beyond that."""
+        return self.device_bytes + self.room_bytes
 
 
 class StageCosts:
@@ -93,6 +93,6 @@ class PlanCosts:
             fwd, bwd, total = fwd + f, bwd + b, total + fp
         total += Footprint(device_bytes=c.cm.argument_bytes(loads, self._holding))
         hit = self._memo[imbalance] = MicroBatch(
-            fwd + total.forward_extra_s, bwd + total.backward_extra_s, total.device_bytes, total.reload_bytes
+            fwd + total.forward_extra_s, bwd + total.backward_extra_s, total.device_bytes, total.room_bytes
         )
         return hit

@@ -1,0 +1,111 @@
+"""Sharding engines under the Trainer (`integrations.engines`): accelerate's real FSDP plugin and
+DeepSpeed's JSON configs read into the budget fields that price each rank's weights, gradients and
+optimizer state, what is refused by name, and the static bytes each engine leaves a rank. On CPU
+accelerate enables neither engine (it runs DistributedDataParallel over gloo): training arguments
+that ask for one are named in a warning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import FullyShardedDataParallelPlugin
+from helpers import tiny_recipe
+from transformers import TrainingArguments
+
+from bagualu_plugin.adapters import tiny_model
+from bagualu_plugin.config import RecipeError
+from bagualu_plugin.integrations.engines import fsdp_budget, trainer_budget, zero_budget
+from bagualu_plugin.stage import Stage
+
+OFF = {"offload_optimizer": False, "offload_params": False}
+
+
+def test_fsdp2_full_shard_and_its_cpu_offload():
+    assert fsdp_budget(FullyShardedDataParallelPlugin(fsdp_version=2)) == {"fsdp": True, "shard_optimizer": True, **OFF}
+    offloaded = fsdp_budget(FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True))
+    assert offloaded["offload_params"] and offloaded["offload_optimizer"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"fsdp_version": 1}, "fsdp_version=1"),
+        ({"fsdp_version": 2, "activation_checkpointing": True}, "activation_checkpointing=True"),
+        ({"fsdp_version": 2, "reshard_after_forward": False}, "reshard_after_forward=False"),
+    ],
+)
+def test_fsdp_settings_it_cannot_price_are_refused_by_name(fields, named):
+    with pytest.raises(ValueError, match=f"FSDP: {named}"):
+        fsdp_budget(FullyShardedDataParallelPlugin(**fields))
+
+
+@pytest.mark.parametrize(
+    ("zero", "expected"),
+    [
+        ({}, {"fsdp": False, "shard_optimizer": False, "shard_gradients": False, **OFF}),
+        ({"stage": 1}, {"fsdp": False, "shard_optimizer": True, "shard_gradients": False, **OFF}),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}},
+         {"fsdp": False, "shard_optimizer": True, "shard_gradients": True, "offload_optimizer": True, "offload_params": False}),
+        ({"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "none"}},
+         {"fsdp": True, "shard_optimizer": True, "shard_gradients": True, "offload_optimizer": False, "offload_params": True}),
+    ],
+)
+def test_zero_stages_and_offload(zero, expected):
+    assert zero_budget({"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto"}) == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage=4: expected one of \(0, 1, 2, 3\)"),
+        ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+         "zero_optimization.offload_param needs stage 3, got stage 2"),
+        ({"zero_optimization": {"stage": 3}, "activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
+    ],
+)
+def test_zero_settings_it_cannot_price_are_refused_by_name(config, named):
+    with pytest.raises(ValueError, match=f"DeepSpeed: {named}"):
+        zero_budget(config)
+
+
+def test_each_engine_leaves_a_rank_its_share():
+    """Static bytes per rank of 2: weights W, gradients G and optimizer state O per trainable
+    parameter; ZeRO-1 divides O, ZeRO-2 G and O, ZeRO-3 (= FSDP2) all three plus two gathered
+    layers' weights; offload takes what the host keeps off the device."""
+    model = tiny_model("qwen3_moe", num_hidden_layers=2)
+    base = tiny_recipe(model, seq_len=16, micro_batch_size=1, parallel={"dp": 2}, pipeline={"pp": 1, "micro_batches": 1},
+                       budget={"non_activation_bytes": "auto"})
+
+    def static(**budget) -> int:
+        return Stage.of(base.model_copy(update={"budget": base.budget.model_copy(update=budget)})).static_bytes
+
+    cost = Stage.of(base).cost
+    params, trained = sum(cost.parameter_counts()), sum(cost.parameter_counts(trainable=True))
+    w, g, o = base.budget.weight_bytes_per_param, base.budget.grad_bytes_per_param, base.budget.optimizer_bytes_per_param
+    layer = max(cost.blocks[i].dense_params + cost.blocks[i].expert_params for i in cost.layers)
+    assert static(shard_optimizer=False) == round(params * w + trained * (g + o))
+    assert static(**zero_budget({"zero_optimization": {"stage": 1}})) == round(params * w + trained * (g + o / 2))
+    assert static(**zero_budget({"zero_optimization": {"stage": 2}})) == round(params * w + trained * (g + o) / 2)
+    offloaded = zero_budget({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert static(**offloaded) == round(params * w)
+    full = round((params * w + trained * (g + o)) / 2 + 2 * layer * w)
+    assert static(**zero_budget({"zero_optimization": {"stage": 3}})) == full
+    assert static(**fsdp_budget(FullyShardedDataParallelPlugin(fsdp_version=2))) == full
+    assert static(**fsdp_budget(FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True))) == round(2 * layer * w)
+    with pytest.raises(RecipeError, match="budget.offload_params: weight shards in host memory need budget.fsdp"):
+        tiny_recipe(model, seq_len=16, micro_batch_size=1, pipeline={"pp": 1, "micro_batches": 1}, budget={"offload_params": True})
+
+
+def test_asking_for_fsdp_on_cpu_is_said_and_ddp_priced(tmp_path):
+    """accelerate's CPU state runs no FSDP or DeepSpeed (`fsdp_plugin`, `deepspeed_plugin` None):
+    the plugin says so and prices what runs."""
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, fsdp=True, fsdp_config={"fsdp_version": 2}, report_to=[])
+    state = Accelerator(cpu=True).state
+    try:
+        with pytest.warns(RuntimeWarning, match=r"ask for fsdp, but the Trainer runs NO .*prices the memory of what runs"):
+            assert trainer_budget(args, state) == {}
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert not torch.distributed.is_initialized()
