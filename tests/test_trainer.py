@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,45 @@ def test_two_nodes_train_as_one(checkpoints):
     assert [r.get("loss") for r in records] == [r.get("loss") for r in theirs]
     mine, other = (load_file(d / "model" / "model.safetensors") for d in (out, one))
     assert mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
+
+
+USER_SCRIPT = """
+import sys, time
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import SFTConfig, SFTTrainer
+from bagualu_plugin.integrations.transformers import BagualuCallback
+
+model_dir, corpus, out, ep = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, **({"experts_implementation": "bagualu"} if ep > 1 else {}))
+tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+dataset = Dataset.from_dict({"text": open(corpus).read().splitlines()})
+args = SFTConfig(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2, max_length=40,
+                 gradient_checkpointing=False, use_cpu=True, report_to=[], save_strategy="no", bf16=False)
+recipe = {"hardware": {"capacity_bytes": 8_000_000}, **({"parallel": {"ep": ep}} if ep > 1 else {})}
+SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[BagualuCallback(recipe)]).train()
+print("TRAINED", time.time(), flush=True)
+"""
+ABORT = "terminate called without an active exception"  # torch's gloo teardown at exit: benchmarks/gloo_exit.py
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("ep", [1, 2], ids=["ddp", "expert-parallel"])
+def test_a_users_script_ends_by_itself(checkpoints, ep):
+    """A user's SFTTrainer script with the callback, no `os._exit` and no barrier of ours, under
+    `accelerate launch` on 2 processes: it exits within 30 s of training's end. The one failure
+    allowed is torch's own abort at the interpreter's exit, which the same job without the plugin
+    or the Trainer shows too (`benchmarks/gloo_exit.py`); never a hang."""
+    script = checkpoints["corpus"].parent / "user_sft.py"
+    script.write_text(USER_SCRIPT)
+    accelerate = str(Path(sys.executable).with_name("accelerate"))
+    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(script), str(checkpoints["qwen3_moe"]),
+           str(checkpoints["corpus"]), str(checkpoints["corpus"].parent / f"user-{ep}"), str(ep)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    ended = time.time()
+    trained = [float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("TRAINED")]
+    assert len(trained) == 2, done.stderr[-3000:]
+    assert ended - max(trained) < 30
+    assert done.returncode == 0 or ABORT in done.stderr, done.stderr[-3000:]
