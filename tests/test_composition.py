@@ -2,12 +2,15 @@
 modules: a forward set on the instance (transformers' `kernelize`, run by `from_pretrained` and
 again at every `train()` / `eval()` where kernels are on) or on the class (Liger-style patches),
 before or after the plugin, and one replaced mid-run. The recompute regions run whatever forward is
-in force, gradients stay bitwise, and `remove()` takes back exactly what was ours."""
+in force, gradients stay bitwise, and `remove()` takes back exactly what was ours. torch.compile,
+which traces the plugin's hooks into its graphs, is refused by name at the forward's end."""
 
 import pytest
 import torch
+from helpers import tiny_recipe
 from torch import nn
 
+import bagualu_plugin as bgl
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.costmodel import OpId
 from bagualu_plugin.costmodel.plan import Plan
@@ -207,3 +210,21 @@ def test_sft_trainer_with_evaluation_between_steps_under_kernelize(tmp_path):
     assert len(events) == 4 and any(e.plan for e in events) and all(e.misses == [] for e in events)
     assert KERNEL_CALLS  # the local kernel ran inside the installed regions
     assert _plugin_hooks(model) == []  # the plugin's hooks gone at train end, transformers' own stay
+
+
+def test_a_compiled_training_forward_is_refused_by_name_and_the_model_trains_on_uncompiled():
+    """torch.compile traces the plugin's op scopes and recompute regions into its graphs, whose
+    partitioner saves what it chooses: the forward's end says so (before any replay), and the same
+    model trains on uncompiled with its plans."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", num_hidden_layers=2)
+    recipe = tiny_recipe(model, seq_len=16, micro_batch_size=2, capacity=0.7, pipeline={"pp": 1, "micro_batches": 1},
+                         strategies={"allowed": ["recompute", "offload"]})
+    prov = bgl.apply(model, recipe)
+    ids = torch.randint(0, 128, (2, 16))
+    with pytest.raises(RuntimeError, match="ran under torch.compile.*train the model uncompiled with the plugin"):
+        torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids)
+    torch._dynamo.reset()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert [bool(e.plan) for e in prov.events] == [True] and prov.peak_device_bytes <= prov.stage.capacity
+    prov.remove()

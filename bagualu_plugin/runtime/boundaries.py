@@ -90,6 +90,13 @@ class Boundaries:
         if output is None or not roots:
             self._drop()
             return
+        if any(type(fn).__name__ == COMPILED for fn in roots):  # before its backward replays anything
+            self._drop()
+            raise RuntimeError(
+                "bagualu: the model's training forward ran under torch.compile, whose graphs take in the plugin's op "
+                "scopes and recompute regions and save what their own partitioner chooses, not what the plan says: "
+                "train the model uncompiled with the plugin, or compile it without the plugin"
+            )
         self._prov.end_forward(mb)
         token = self._awaited = object()
         queued = []
@@ -200,6 +207,9 @@ def forward_kind(kwargs: dict) -> ForwardKind:
     divisor = items.untyped_storage().nbytes() if isinstance(items, torch.Tensor) else 0
     aux = "none" if kwargs.get("output_router_logits") is not True else "all_tokens" if mask is None else "attention_mask"
     return ForwardKind(masked or packed, kwargs.get("fused_lm_head") is True, divisor, aux)
+
+
+COMPILED = "CompiledFunctionBackward"  # the autograd node of a graph torch.compile made (AOTAutograd's)
 
 
 def _grad_fns(output) -> list:
