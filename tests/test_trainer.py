@@ -154,7 +154,8 @@ def test_autocast_over_fp32_weights_is_said(checkpoints):
 
 
 @pytest.mark.parametrize(
-    ("argument", "value"), [("gradient_checkpointing", True), ("activation_offloading", True), ("use_liger_kernel", True)]
+    ("argument", "value"),
+    [("gradient_checkpointing", True), ("activation_offloading", True), ("use_liger_kernel", True), ("torch_compile", True)],
 )
 def test_a_second_owner_is_refused_at_train_begin(checkpoints, argument, value):
     model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], local_files_only=True)

@@ -38,12 +38,14 @@ from ..runtime.static_memory import StaticMemory
 from .accelerate import shard_experts_for_ddp
 from .engines import trainer_budget
 
-# training arguments that would make a second owner of recompute, offload or the loss (the first
+# training arguments that would make a second owner of recompute, offload, the saved tensors or the loss (the first
 # name is the one the error tells the user to set; transformers 5 also spells it the second way)
 _REFUSED = {
     ("gradient_checkpointing", "activation_checkpointing"): "it recomputes whole layers (TRL's SFTConfig turns it on by "
     "default), and the plugin plans recompute per operator",
     ("activation_offloading",): "it offloads every saved activation (TRL), and the plugin plans offload per operator",
+    ("torch_compile",): "it compiles the model, whose graphs would trace the plugin's op scopes and recompute regions and "
+    "save what their own partitioner chooses",
     ("use_liger_kernel",): "Liger replaces the model's norms, MLPs and loss with kernels the plugin's operators and loss runner "
     "do not know (for a loss without full logits use the recipe's strategies.loss_chunk_tokens)",
 }
