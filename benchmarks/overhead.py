@@ -12,7 +12,8 @@ process (hidden 512, 8 layers, 16 experts top-4, 4 micro-batches of 2 x 256 toke
 compute dominates as it does on real models: through the plugin's 1F1B driver (`bgl.apply`, pipeline
 rank 0 of 4), and under HF's Trainer with `BagualuCallback` against a plain Trainer (no pipeline,
 the zero-configuration path: the recipe derived, the micro-batches found on the model; a training
-step there includes the optimizer's).
+step there includes the optimizer's), in one process and per engine that runs on CPU: DDP over 2
+gloo processes, and the routed experts sharded over them (expert parallelism inside DDP).
 
     python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~4 min on 2 CPU cores)
 """
@@ -114,15 +115,18 @@ def _larger(iterations: int) -> dict:
     return _alternate(make, batches, recipe, iterations)
 
 
-def _trainer(iterations: int) -> dict:
+def _trainer(iterations: int, ep: bool = False) -> dict:
     """The larger model under HF's Trainer as its users run it, with `BagualuCallback` (the plugin
     derives its recipe from the model and the training arguments, and finds each micro-batch on
     the model) and without. Two Trainers of equal copies take turns: each `train()` runs 2
     optimizer steps of M accumulated micro-batches and the second is timed (the first pays
-    `train()`'s set-up: the optimizer, the data loader, the plugin's install)."""
+    `train()`'s set-up: the optimizer, the data loader, the plugin's install). In a process group
+    (`_trainer_rank`) each Trainer wraps its copy in DDP; `ep`: the routed experts sharded over
+    the processes (the plain copy's as the callback shards them)."""
     from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     from bagualu_plugin.adapters.costs import model_cost
+    from bagualu_plugin.integrations.accelerate import shard_experts_for_ddp
     from bagualu_plugin.integrations.transformers import BagualuCallback
 
     class StepClock(TrainerCallback):
@@ -140,7 +144,13 @@ def _trainer(iterations: int) -> dict:
     ours = _make_larger()
     ours.load_state_dict(plain.state_dict())
     keep = model_cost(plain).activation_bytes(BATCH * SEQ, seq_len=SEQ)
-    callback = BagualuCallback({"hardware": {"capacity_bytes": AMPLE * keep}, "budget": {"non_activation_bytes": 0}})
+    recipe = {"hardware": {"capacity_bytes": AMPLE * keep}, "budget": {"non_activation_bytes": 0}}
+    if ep:
+        recipe["parallel"] = {"ep": dist.get_world_size()}
+        for model in (plain, ours):
+            model.set_experts_implementation("bagualu")
+        shard_experts_for_ddp(plain)  # the callback shards its own copy at the Trainer's init
+    callback = BagualuCallback(recipe)
     g = torch.Generator().manual_seed(0)
     rows = [torch.randint(0, plain.config.vocab_size, (SEQ,), generator=g) for _ in range(2 * BATCH * M)]
     dataset = [{"input_ids": ids, "labels": ids} for ids in rows]
@@ -168,7 +178,19 @@ def _trainer(iterations: int) -> dict:
             forwards += len(events)
             mitigated += sum(bool(e.plan) or bool(e.escalations) for e in events)
     return {"times": times, "planner_s_per_micro_batch": planner_s / forwards, "mitigated_micro_batches": mitigated,
-            "micro_batches": M, "tokens": BATCH * SEQ * M}
+            "micro_batches": M, "tokens": BATCH * SEQ * M * (dist.get_world_size() if dist.is_initialized() else 1)}
+
+
+def _trainer_rank(rank: int, size: int, iterations: int, ep: bool) -> dict:
+    """`_trainer` on one of `size` gloo processes, which accelerate takes for a CPU launch (it
+    reads the launcher's variables); each step's time is the slowest process's."""
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size))
+    torch.set_num_threads(1)
+    out = _trainer(iterations, ep)
+    out["times"] = {name: [max_over_ranks(t) for t in times] for name, times in out["times"].items()}
+    return out
 
 
 def main() -> None:
@@ -183,6 +205,8 @@ def main() -> None:
         f"demo GLM-4-MoE, {demo.parallel.ep} EP ranks": run_ranks(_demo_rank, demo.parallel.ep, args.iterations, timeout_s=900)[0],
         "Qwen3-MoE hidden 512 x 8 layers, 512 tokens/mb": _larger(args.iterations),
         "the same, HF Trainer + BagualuCallback": _trainer(args.iterations),
+        "the same, Trainer, DDP over 2 processes": run_ranks(_trainer_rank, 2, args.iterations, False, timeout_s=900)[0],
+        "the same, Trainer, experts over 2 processes": run_ranks(_trainer_rank, 2, args.iterations, True, timeout_s=900)[0],
     }
     rows, out = [], []
     for name, r in runs.items():
