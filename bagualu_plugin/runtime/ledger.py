@@ -361,7 +361,10 @@ class Ledger:
         return found is not None and self._is_static(found[0])
 
     def _is_static(self, key: StorageKey) -> bool:
-        return key in self._excluded or any(key in keys for keys in self._gathered.values())
+        if key in self._excluded:
+            return True
+        # called on every save: no generator made where no sharding engine gathers anything
+        return bool(self._gathered) and any(key in keys for keys in self._gathered.values())
 
     def charge(self, tensor: torch.Tensor, op: object) -> None:
         """Charge `tensor`'s storage to `op` when it is first recorded, whichever op saves it then:
