@@ -63,16 +63,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     cpu = not torch.cuda.is_available()
+    torch.manual_seed(args.seed)
+    implementation = {"experts_implementation": "bagualu"} if args.ep else {}  # expert parallelism dispatches through it
+    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, **implementation)
     common = dict(
         output_dir=str(args.output_dir), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
         max_steps=args.steps, learning_rate=args.lr, logging_steps=1, report_to=[], save_strategy="no", seed=args.seed,
         use_cpu=cpu, gradient_checkpointing=False,  # the plugin owns recompute; TRL turns this on by default
         ddp_find_unused_parameters=False,
+        # the checkpoint's own precision (TRL's default autocasts to bf16, whose casts of FP32 weights the
+        # cost model does not describe: the plugin would warn that they kept other bytes)
+        bf16=model.dtype == torch.bfloat16,
     )
     training = SFTConfig(max_length=args.max_length, **common) if args.trainer == "sft" else TrainingArguments(**common)
-    torch.manual_seed(args.seed)
-    implementation = {"experts_implementation": "bagualu"} if args.ep else {}  # expert parallelism dispatches through it
-    model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, **implementation)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     if tokenizer.pad_token is None:  # HF's language-modelling collator pads with one (TRL picks one itself)
         tokenizer.pad_token = tokenizer.eos_token
