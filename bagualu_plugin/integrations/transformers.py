@@ -17,7 +17,8 @@ the capacity or comparing.
 
 Expert parallelism (`recipe={"parallel": {"ep": N}}` over all N processes) must shard the experts
 before the Trainer wraps the model in DDP: the callback does it at the end of the Trainer's
-`__init__` (`on_init_end`), so pass it to the constructor.
+`__init__` (`on_init_end`), so pass it to the constructor. Under FSDP2 or DeepSpeed ZeRO the
+engine's sharding prices each rank's weights, gradients and optimizer state (`engines`).
 """
 
 from __future__ import annotations
