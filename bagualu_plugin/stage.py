@@ -81,8 +81,8 @@ class Stage:
             trained = 0.0 if budget.offload_optimizer or budget.offload_params else budget.grad_bytes_per_param
             optimizer = 0.0 if budget.offload_optimizer or budget.offload_params else budget.optimizer_bytes_per_param
             if budget.fsdp:
-                shards = 0.0 if budget.offload_params else budget.weight_bytes_per_param
-                static = stage.fsdp_static_bytes(budget.weight_bytes_per_param, trained, optimizer, shards=par.dp, shard_bytes=shards)
+                held = 0.0 if budget.offload_params else budget.weight_bytes_per_param  # per parameter, of the shards
+                static = stage.fsdp_static_bytes(budget.weight_bytes_per_param, trained, optimizer, shards=par.dp, shard_bytes=held)
             else:
                 static = stage.static_bytes(
                     budget.weight_bytes_per_param,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -184,8 +185,6 @@ def _trainer(iterations: int, ep: bool = False) -> dict:
 def _trainer_rank(rank: int, size: int, iterations: int, ep: bool) -> dict:
     """`_trainer` on one of `size` gloo processes, which accelerate takes for a CPU launch (it
     reads the launcher's variables); each step's time is the slowest process's."""
-    import os
-
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size))
     torch.set_num_threads(1)
     out = _trainer(iterations, ep)

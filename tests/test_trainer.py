@@ -177,15 +177,26 @@ def test_a_second_owner_is_refused_at_train_begin(checkpoints, argument, value):
         trainer.train()
 
 
-def _launch(checkpoints, family: str, name: str, *flags: str) -> Path:
-    out = checkpoints["corpus"].parent / name
+def _env() -> dict[str, str]:
+    """A launched process's environment: the source tree importable, one torch thread per process."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def _accelerate_launch(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """`script` under `accelerate launch` on 2 CPU processes, killed past 300 s."""
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(ROOT / "examples" / "sft_moe.py"),
-           "--model", str(checkpoints[family]), "--data", str(checkpoints["corpus"]), "--output-dir", str(out),
-           "--steps", str(STEPS), "--accumulation", str(M), "--batch-size", str(BATCH), "--max-length", str(LENGTH), *flags]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+           "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(script), *args]
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _launch(checkpoints, family: str, name: str, *flags: str) -> Path:
+    out = checkpoints["corpus"].parent / name
+    done = _accelerate_launch(
+        ROOT / "examples" / "sft_moe.py", "--model", str(checkpoints[family]), "--data", str(checkpoints["corpus"]),
+        "--output-dir", str(out), "--steps", str(STEPS), "--accumulation", str(M), "--batch-size", str(BATCH),
+        "--max-length", str(LENGTH), *flags,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return out
 
@@ -236,7 +247,6 @@ def test_two_nodes_train_as_one(checkpoints):
     one = _launch(checkpoints, "glm4_moe", "one-node", *flags)
     out, port = checkpoints["corpus"].parent / "two-nodes", free_port()
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     agents = [
         subprocess.Popen(
             [torchrun, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node), "--rdzv_backend", "c10d",
@@ -244,7 +254,7 @@ def test_two_nodes_train_as_one(checkpoints):
              str(ROOT / "examples" / "sft_moe.py"), "--model", str(checkpoints["glm4_moe"]), "--data", str(checkpoints["corpus"]),
              "--output-dir", str(out), "--steps", str(STEPS), "--accumulation", str(M), "--batch-size", str(BATCH),
              "--max-length", str(LENGTH), *flags],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         )
         for node in (0, 1)
     ]
@@ -292,12 +302,9 @@ def test_a_users_script_ends_by_itself(checkpoints, ep):
     or the Trainer shows too (`benchmarks/gloo_exit.py`); never a hang."""
     script = checkpoints["corpus"].parent / "user_sft.py"
     script.write_text(USER_SCRIPT)
-    accelerate = str(Path(sys.executable).with_name("accelerate"))
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-           "--dynamo_backend", "no", "--main_process_port", str(free_port()), str(script), str(checkpoints["qwen3_moe"]),
-           str(checkpoints["corpus"]), str(checkpoints["corpus"].parent / f"user-{ep}"), str(ep)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = _accelerate_launch(
+        script, str(checkpoints["qwen3_moe"]), str(checkpoints["corpus"]), str(checkpoints["corpus"].parent / f"user-{ep}"), str(ep)
+    )
     ended = time.time()
     trained = [float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("TRAINED")]
     assert len(trained) == 2, done.stderr[-3000:]

@@ -25,7 +25,7 @@ def fsdp_budget(plugin: Any) -> dict[str, bool]:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     refused = []
-    if getattr(plugin, "fsdp_version", 1) != 2:
+    if plugin.fsdp_version != 2:
         refused.append(f"fsdp_version={plugin.fsdp_version}: the plugin prices FSDP2's sharding; set fsdp_config's fsdp_version to 2")
     if getattr(plugin, "activation_checkpointing", False):
         refused.append("activation_checkpointing=True: it recomputes whole layers, the plugin plans recompute per operator")
