@@ -19,8 +19,11 @@ from .hardware import PRESETS
 from .report import (
     demo_title,
     plot_curves,
+    plot_run,
     plot_timeline,
     profile_text,
+    read_run,
+    run_text,
     simulation_text,
     stage_json,
     stage_text,
@@ -116,12 +119,31 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--batch-size", type=_positive("--batch-size"), default=1, help="sequences per micro-batch (default 1)")
     rc.add_argument("--out", default=None, metavar="FILE", help="write the YAML there instead of printing it")
 
+    rp = sub.add_parser(
+        "report", help="draw a training run's telemetry: memory per micro-batch against the capacity and budget, plans, gates, time"
+    )
+    rp.add_argument("run", metavar="RUN", help="a telemetry file, or the run's output directory (its bagualu-telemetry*.jsonl)")
+    rp.add_argument("--out", default=None, metavar="PNG", help="where to draw it (default: bagualu-report.png beside the telemetry)")
+
     t = sub.add_parser("tiny-checkpoint", help="write a tiny random-init MoE checkpoint and a character-level tokenizer (offline)")
     t.add_argument("family", choices=sorted(FAMILIES), metavar="FAMILY", help=f"one of {', '.join(sorted(FAMILIES))}")
     t.add_argument("directory", metavar="DIR", help="where to save_pretrained the model and the tokenizer")
     t.add_argument("--layers", type=_positive("--layers"), default=None, help="decoder layers (default: the family's tiny default)")
     t.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
     return p
+
+
+def _report(args: argparse.Namespace) -> int:
+    try:
+        runs = read_run(args.run)
+    except (ValueError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    run = Path(args.run)
+    out = Path(args.out) if args.out else (run if run.is_dir() else run.parent) / "bagualu-report.png"
+    print(run_text(runs))
+    plot_run(runs, out, run.resolve().name)
+    print(f"wrote {out}")
+    return 0
 
 
 def _positive(flag: str):
@@ -385,6 +407,7 @@ _COMMANDS = {
     "profile": _profile,
     "simulate": _simulate,
     "recipe": _recipe,
+    "report": _report,
     "tiny-checkpoint": _tiny_checkpoint,
 }
 

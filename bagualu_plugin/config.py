@@ -31,10 +31,13 @@ from .units import Bytes, fmt_bytes
 from .validation import FIELD_PROBLEMS, reject
 
 _Index = Annotated[int, Field(ge=0)]
+TELEMETRY_FILE = "bagualu-telemetry.jsonl"  # a run's events, in its output directory (`Telemetry.file`)
 
 # Pydantic names the member of a union that failed, as in budget.min_budget.literal['auto'] or
 # spikes.layers.list[constrained-int].2; these tags are not fields the user wrote.
 _UNION_TAG = re.compile(r"[a-z-]+\[.*\]|int|float|str|bool|none")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -185,9 +188,21 @@ class Budget(_Section):
 
 
 class Telemetry(_Section):
-    """Where the per-micro-batch telemetry events go."""
+    """Where the per-micro-batch telemetry events go (`bagualu report` draws them). On by default:
+    a run's picture should not need a switch turned on before it."""
 
-    path: str | None = Field(default=None, description="JSON-lines file; None: no telemetry")
+    enabled: bool = Field(default=True, description="write the events; false: none")
+    path: str | None = Field(
+        default=None, description=f"JSON-lines file; None: {TELEMETRY_FILE} in the run's output directory (the working directory)"
+    )
+
+    def file(self, rank: int = 0, world: int = 1) -> Path | None:
+        """This rank's events file: the path, with `.rank<rank>` before its suffix where more than
+        one process writes (each its own file, none clobbering another's lines)."""
+        if not self.enabled:
+            return None
+        path = Path(self.path or TELEMETRY_FILE)
+        return path.with_name(f"{path.stem}.rank{rank}{path.suffix}") if world > 1 else path
 
 
 class Spikes(_Section):
@@ -286,6 +301,13 @@ class Recipe(_Section):
     @property
     def gpus(self) -> int:
         return self.parallel.dp * self.parallel.tp * self.pipeline.pp
+
+    def with_output_dir(self, directory: str | os.PathLike[str]) -> Recipe:
+        """This recipe with its telemetry in the run's output `directory`, unless it names a file."""
+        if self.telemetry.path is not None:
+            return self
+        telemetry = self.telemetry.model_copy(update={"path": str(Path(directory) / TELEMETRY_FILE)})
+        return self.model_copy(update={"telemetry": telemetry})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> Recipe:

@@ -1,15 +1,18 @@
 """What people read: text tables for the terminal, PNG memory curves in the style of the paper's
 Fig. 5c (time on x, activation memory on y, the capacity line, phases), and the reports of the
-`bagualu` commands (a stage's op costs and curves, a profile, a simulation, the demo's policies).
-Pure formatting: the numbers come from the cost model, the simulator and the demo."""
+`bagualu` commands (a stage's op costs and curves, a profile, a simulation, the demo's policies,
+a training run's telemetry). Pure formatting: the numbers come from the cost model, the
+simulator, the demo and the Provisioner's events."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .config import TELEMETRY_FILE
 from .costmodel import MITIGATIONS, CostModel, Curve, MicroBatchCost
 from .stage import Stage
 from .units import fmt_bytes, fmt_seconds
@@ -158,14 +161,19 @@ def _positions(timeline: Sequence, steps: int):
         yield entry.iteration + i / steps, entry
 
 
-def _axes(size: tuple[float, float], nrows: int = 1, sharex: bool = False, height_ratios=None):
-    """A figure and its axes, drawn off screen (no display on training machines)."""
+def _pyplot():
+    """pyplot, drawing off screen (no display on training machines)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(nrows, figsize=size, sharex=sharex, height_ratios=height_ratios)
+    return plt
+
+
+def _axes(size: tuple[float, float], nrows: int = 1, sharex: bool = False, height_ratios=None):
+    """A figure and its axes, drawn off screen."""
+    return _pyplot().subplots(nrows, figsize=size, sharex=sharex, height_ratios=height_ratios)
 
 
 def _save(fig, path: str | Path) -> Path:
@@ -402,3 +410,118 @@ def summary_table(rows: Sequence[dict]) -> str:
             for r in rows
         ],
     )
+
+
+_STRATEGY_COLOURS = {"recompute": "#e67e22", "offload": "#2e86c1", "fp8": "#8e44ad"}
+
+
+def read_run(run: str | Path) -> dict[str, list[dict]]:
+    """A run's telemetry (`bagualu report RUN`): a Provisioner's events file, or the output
+    directory holding one per rank (`bagualu-telemetry.jsonl`, or `bagualu-telemetry.rank<R>.jsonl`
+    each), as {label: events in forward order}."""
+    run = Path(run)
+    if run.is_dir():
+        stem = Path(TELEMETRY_FILE).stem
+        files = sorted(run.glob(f"{stem}*.jsonl"), key=lambda p: (len(p.name), p.name))
+        if not files:
+            raise FileNotFoundError(f"{run}: no {TELEMETRY_FILE} (or {stem}.rank<R>.jsonl) in this directory")
+    elif run.exists():
+        files = [run]
+    else:
+        raise FileNotFoundError(f"{run}: no such telemetry file or output directory")
+    runs = {}
+    for path in files:
+        events = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                event = json.loads(line)
+                event["forward"], event["device_bytes"]
+            except (json.JSONDecodeError, TypeError, KeyError):
+                raise ValueError(f"{path}:{n}: not a telemetry event (one JSON object per line, as the Provisioner writes them)") from None
+            events.append(event)
+        if not events:
+            raise ValueError(f"{path}: no micro-batch ended its backward in this run")
+        label = path.stem.rsplit(".", 1)[-1].replace("rank", "rank ") if len(files) > 1 else "run"
+        runs[label] = sorted(events, key=lambda e: e["forward"])
+    return runs
+
+
+def run_summary(events: Sequence[dict]) -> dict:
+    """One rank's run in numbers: micro-batches, how many ran a plan, the share of their
+    activations the plans took off, the gates' escalations and deferrals, the peak against the
+    capacity, the time mitigation added as the cost model prices it, the planner's time."""
+    taken = sum(sum(e["mitigated"].values()) for e in events)
+    kept = sum(e["actual"] for e in events)
+    return {
+        "micro_batches": len(events),
+        "mitigated": sum(1 for e in events if e["plan"]),
+        "mitigated_share": taken / (kept + taken) if kept + taken else 0.0,
+        "escalations": sum(len(e["escalations"]) for e in events),
+        "deferrals": sum(len(e["deferred"]) for e in events),
+        "peak_device_bytes": max(e["peak_device_bytes"] for e in events),
+        "capacity_bytes": max(e["capacity"] for e in events),
+        "mitigation_s": sum(e["mitigation_s"] for e in events),
+        "planner_s": sum(e["planner_s"] for e in events),
+    }
+
+
+def run_text(runs: dict[str, Sequence[dict]]) -> str:
+    """`bagualu report`'s table: `run_summary` per rank."""
+    rows = []
+    for label, events in runs.items():
+        s = run_summary(events)
+        rows.append([
+            label, s["micro_batches"], f"{s['mitigated']} ({s['mitigated'] / s['micro_batches']:.0%})",
+            f"{s['mitigated_share']:.1%}", s["escalations"], s["deferrals"],
+            f"{fmt_bytes(s['peak_device_bytes'])} of {fmt_bytes(s['capacity_bytes'])}",
+            fmt_seconds(s["mitigation_s"]), fmt_seconds(s["planner_s"]),
+        ])
+    headers = ["run", "micro-batches", "with a plan", "activations taken off", "escalations", "deferrals", "peak device",
+               "mitigation (priced)", "planner"]
+    return table(headers, rows)
+
+
+def plot_run(runs: dict[str, Sequence[dict]], path: str | Path, title: str) -> Path:
+    """A run's picture, one column per rank, per micro-batch in forward order: the device peak
+    against the capacity; what its activations kept (measured) under the bytes its plan took off,
+    by strategy, with the budget Algorithm 1 gave it and its gates' escalations and deferrals
+    marked; the planner's time and the time its plan adds as the cost model prices it. Under
+    it, `run_text`'s numbers."""
+    fig = _pyplot().figure(figsize=(max(11.0, 5.5 * len(runs)), 9.5))
+    grid = fig.add_gridspec(4, len(runs), height_ratios=[3, 3.2, 1.6, 0.35 + 0.28 * len(runs)])
+    for col, (label, events) in enumerate(runs.items()):
+        xs = list(range(len(events)))
+        device, acts, times = (fig.add_subplot(grid[row, col]) for row in range(3))
+        capacity = max(e["capacity"] for e in events)
+        device.plot(xs, [e["device_bytes"] / _MIB for e in events], ".-", color="#1f4e79", lw=1, label="at its forward's end")
+        device.plot(xs, [e["peak_device_bytes"] / _MIB for e in events], color="#7f8c8d", lw=1, ls=":", label="peak so far")
+        device.axhline(capacity / _MIB, color="#c0392b", ls="--", lw=1.5, label=f"capacity {fmt_bytes(capacity)}")
+        device.set_title(f"{label}: {title}" if len(runs) > 1 else title, fontsize=9)
+        device.set_ylim(top=1.03 * capacity / _MIB)
+        device.set_ylabel("device memory (MiB)")
+        device.legend(loc="lower right", fontsize=7)
+        bottom = [e["actual"] / _MIB for e in events]
+        acts.bar(xs, bottom, width=0.8, color="#5d6d7e", label="kept (measured)")
+        for strategy, colour in _STRATEGY_COLOURS.items():
+            heights = [e["mitigated"].get(strategy, 0.0) / _MIB for e in events]
+            if any(heights):
+                acts.bar(xs, heights, width=0.8, bottom=bottom, color=colour, label=f"taken off: {strategy}")
+                bottom = [b + h for b, h in zip(bottom, heights)]
+        acts.step(xs, [e["budget"] / _MIB for e in events], where="mid", color="black", lw=1, label="budget (Algorithm 1)")
+        top = max(bottom + [e["budget"] / _MIB for e in events])
+        for key, marker, name in (("escalations", "^", "gate escalated"), ("deferred", "D", "gate deferred")):
+            marked = [x for x, e in zip(xs, events) if e[key]]
+            if marked:
+                acts.plot(marked, [top * 1.06] * len(marked), marker, color="#c0392b", ms=5, ls="none", label=name)
+        acts.set_ylim(top=1.45 * top)  # room for the legend above the bars
+        acts.set_ylabel("activations (MiB)")
+        acts.legend(loc="upper right", fontsize=7, ncol=3)
+        times.bar(xs, [e["planner_s"] * 1e3 for e in events], width=0.8, color="#95a5a6", label="planner")
+        times.plot(xs, [e["mitigation_s"] * 1e3 for e in events], ".", color="#e67e22", label="mitigation (priced)")
+        times.set_ylabel("ms")
+        times.set_xlabel("micro-batch (forward order)")
+        times.legend(loc="upper right", fontsize=7)
+    text = fig.add_subplot(grid[3, :])
+    text.axis("off")
+    text.text(0, 1, run_text(runs), family="monospace", fontsize=8, va="top")
+    return _save(fig, path)

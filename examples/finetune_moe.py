@@ -3,7 +3,8 @@ under `python` or `accelerate launch` (DDP over the processes; expert parallelis
 recipe's `parallel.ep` equals their number).
 
     accelerate launch --multi_gpu --num_processes 2 examples/finetune_moe.py \\
-        --model CKPT --steps 20 --output-dir out [--capacity 40GiB] [--recipe R] [--data corpus.txt] [--no-adaptive | --oracle]
+        --model CKPT --steps 20 --output-dir out [--capacity 40GiB] [--recipe R] [--data corpus.txt] [--no-adaptive | --oracle] \\
+        [--report-to tensorboard]
 
 The recipe is derived from the model, the device and the accelerator (`bgl.derive_recipe`); a
 `--recipe` (a YAML file of any of its sections, or a built-in name) overrides what it gives, and
@@ -20,9 +21,13 @@ every process collects at the end of each optimizer step (`--no-manual-gc`: Pyth
 collector), so no process's collection stalls the others inside a step.
 
 Writes to `--output-dir`: `metrics.jsonl` (per optimizer step: loss, every process's peak device
-bytes, the capacity, tokens/s), `telemetry.jsonl` (the plugin's events; process r > 0 writes
-`telemetry.rank<r>.jsonl`), `memory.png` (peak per step against the capacity) and `model/`
-(`save_pretrained`, with the tokenizer when the checkpoint has one).
+bytes, the capacity, tokens/s), `bagualu-telemetry.jsonl` (the plugin's events, unless the recipe
+names another file or turns telemetry off; `bagualu-telemetry.rank<r>.jsonl` per process when
+there are several: `bagualu report OUTPUT_DIR` draws them), `memory.png` (peak per step against
+the capacity) and `model/` (`save_pretrained`, with the tokenizer when the checkpoint has one).
+`--report-to` hands each step's loss, tokens/s and the plugin's `bagualu/*` figures
+(`Provisioner.figures`) to accelerate's trackers (`accelerator.log`; their files in the output
+directory).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from transformers import AutoModelForCausalLM
 from bagualu_plugin import data
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.collector import ManualCollector
-from bagualu_plugin.config import RecipeError, read_recipe
+from bagualu_plugin.config import TELEMETRY_FILE, RecipeError, read_recipe
 from bagualu_plugin.integrations.accelerate import apply, prepare_model
 from bagualu_plugin.parallel import save_expert_parallel
 from bagualu_plugin.parallel.launch import end_process
@@ -67,6 +72,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     policy = parser.add_mutually_exclusive_group()
     policy.add_argument("--no-adaptive", action="store_true", help="the same run without the plugin (memory counted, not limited)")
     policy.add_argument("--oracle", action="store_true", help="plan each micro-batch for its routing, recorded by an untimed first pass")
+    parser.add_argument("--report-to", nargs="*", default=[], metavar="TRACKER", help="accelerate's trackers: tensorboard, wandb, ...")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -98,17 +104,20 @@ def main(argv: list[str] | None = None) -> None:
     m = given.get("pipeline", {}).get("micro_batches", args.micro_batches)
     batch = {"seq_len": args.seq_len, "micro_batch_size": args.batch_size, **given.get("batch", {})}
     seq, mbs = batch["seq_len"], batch["micro_batch_size"]
+    out = args.output_dir
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),
         gradient_accumulation_steps=m,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.timeout_s))],
+        log_with=args.report_to or None,
+        project_dir=out,
     )
     rank, n, main_process = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    name = "telemetry.jsonl" if rank == 0 else f"telemetry.rank{rank}.jsonl"  # this run's telemetry, whatever the recipe says
-    (out / name).unlink(missing_ok=True)
-    given = {**given, "batch": batch, "telemetry": {"path": str(out / name)}}
+    if args.report_to:
+        accelerator.init_trackers("finetune_moe", config={"policy": policy, "steps": args.steps, "micro_batches": m})
+    telemetry = {"path": str(out / TELEMETRY_FILE), **given.get("telemetry", {})}  # the run's events with its outputs
+    given = {**given, "batch": batch, "telemetry": telemetry}
     if args.capacity:
         capacity = int(args.capacity) if args.capacity.isdigit() else args.capacity
         given["hardware"] = {**given.get("hardware", {}), "capacity_bytes": capacity}
@@ -166,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
                     "tokens_per_s": n * m * mbs * seq / seconds,
                 }
                 steps.append(line)
+                accelerator.log({"loss": loss, "tokens_per_s": line["tokens_per_s"], **(prov.figures() if prov else {})}, step=step)
                 if metrics:
                     metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
@@ -175,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
             metrics.close()
         if prov:
             prov.remove()
+        for tracker in accelerator.trackers:  # their files complete (`end_training` would also end the process group)
+            tracker.finish()
 
     if recipe.parallel.ep > 1:
         save_expert_parallel(unwrapped, out / "model")

@@ -3,16 +3,18 @@ callback, under `python` or `accelerate launch` (DDP over the processes; `--ep`:
 sharded over them).
 
     accelerate launch --multi_gpu --num_processes 2 examples/sft_moe.py \\
-        --model CKPT --data corpus.txt --output-dir out [--capacity 40GiB] [--lora] [--ep] [--no-plugin]
+        --model CKPT --data corpus.txt --output-dir out [--capacity 40GiB] [--lora] [--ep] [--no-plugin] [--report-to tensorboard]
 
 The recipe is derived (the model's dimensions, the device and its memory, the processes, the
 gradient-accumulation steps); on CPU `--capacity` is the simulated device memory the plugin plans
 for. `--no-plugin` is the same run without the plugin, its activations counted (not limited) as
 `bagualu/unplanned_peak_device_bytes`. Writes `--output-dir`/`log_history.json` (the Trainer's log
-records, the plugin's figures in them), `events.json` (the plugin's events of
-process 0), `parallel-rank{R}.json` (the parallel section process R derived) and `model/`
-(`save_pretrained`; under `--ep` the experts gathered whole). Under `torchrun` too, on one node
-or several (`--nnodes 2 --node_rank 0|1 --rdzv_backend c10d --rdzv_endpoint HOST:PORT`).
+records, the plugin's figures in them), the callback's `bagualu-telemetry.jsonl` (one file per
+process when there are several: `bagualu report OUTPUT_DIR` draws them), `parallel-rank{R}.json`
+(the parallel section process R derived) and `model/` (`save_pretrained`; under `--ep` the experts
+gathered whole). `--report-to` names the Trainer's loggers (`tensorboard`, `wandb`, `mlflow`, ...):
+the plugin's `bagualu/*` figures reach them too. Under `torchrun` too, on one node or several
+(`--nnodes 2 --node_rank 0|1 --rdzv_backend c10d --rdzv_endpoint HOST:PORT`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ep", action="store_true", help="expert parallelism over all processes")
     parser.add_argument("--no-plugin", action="store_true", help="the same run without the callback")
     parser.add_argument("--strategies", default="recompute,offload", help="what the plugin may do (fp8 too: not bitwise)")
+    parser.add_argument("--report-to", nargs="*", default=[], metavar="LOGGER", help="the Trainer's report_to (default: none)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, **implementation)
     common = dict(
         output_dir=str(args.output_dir), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
-        max_steps=args.steps, learning_rate=args.lr, logging_steps=1, report_to=[], save_strategy="no", seed=args.seed,
+        max_steps=args.steps, learning_rate=args.lr, logging_steps=1, report_to=args.report_to, save_strategy="no", seed=args.seed,
         use_cpu=cpu, gradient_checkpointing=False,  # the plugin owns recompute; TRL turns this on by default
         ddp_find_unused_parameters=False,
         # the checkpoint's own precision (TRL's default autocasts to bf16, whose casts of FP32 weights the
@@ -120,11 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     if trainer.is_world_process_zero():
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
         if not args.no_plugin:
-            events = [json.loads(e.to_json()) for e in callback.provisioner.events]
-            (out / "events.json").write_text(json.dumps(events))
             last = trainer.state.log_history[-2]  # the last step's record (the final one is the run's summary)
             print(f"peak {last['bagualu/peak_device_bytes']} of {last['bagualu/capacity_bytes']} bytes, "
-                  f"{len(events)} micro-batches planned; wrote {out}")
+                  f"{callback.provisioner.forwards} micro-batches planned; wrote {out}")
     # torch's gloo teardown at the interpreter's exit aborts now and then, with or without the plugin
     # (benchmarks/gloo_exit.py: 3 of 20 plain DDP runs); past a barrier there is nothing left to tear down
     end_process(trainer.accelerator.wait_for_everyone)

@@ -39,3 +39,21 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
         for item in gpu:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path, monkeypatch):
+    """Each test starts from the process state it would have alone, in a directory of its own
+    (where a Provisioner given no output directory writes its telemetry). transformers'
+    TrainingArguments write accelerate's settings into os.environ, and accelerate keeps its first
+    state for the whole process: one test's `torch_compile=True` would make every later
+    `accelerator.prepare` in that worker compile its model."""
+    monkeypatch.chdir(tmp_path)
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -30,6 +30,7 @@ pytest.importorskip("accelerate")
 
 from accelerate import Accelerator  # noqa: E402
 from helpers import tiny_recipe  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 import bagualu_plugin as bgl  # noqa: E402
 from bagualu_plugin.adapters.tiny import save_tiny, tiny_model, tiny_tokenizer  # noqa: E402
@@ -37,6 +38,7 @@ from bagualu_plugin.config import Recipe  # noqa: E402
 from bagualu_plugin.derive import recipe_of  # noqa: E402
 from bagualu_plugin.integrations.accelerate import prepare_model  # noqa: E402
 from bagualu_plugin.parallel.launch import free_port  # noqa: E402
+from bagualu_plugin.report import read_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "finetune_moe.py"
@@ -108,7 +110,7 @@ def _same_training(ours: list[dict], theirs: list[dict], processes: int) -> None
 
 @pytest.fixture(scope="module")
 def ddp(workdir):
-    plugin = _run(workdir, "ddp", _recipe(dp=2), 6, 2)
+    plugin = _run(workdir, "ddp", _recipe(dp=2), 6, 2, "--report-to", "tensorboard")
     stock = _run(workdir, "ddp-stock", _recipe(dp=2), 6, 2, "--no-adaptive")
     return plugin, stock
 
@@ -122,9 +124,12 @@ def test_two_processes_train_bitwise_stock_under_the_capacity(ddp, workdir):
     original = AutoModelForCausalLM.from_pretrained(workdir / "ckpt", local_files_only=True)
     assert not torch.equal(reloaded.lm_head.weight, original.lm_head.weight)  # trained, then saved
     assert (workdir / "ddp" / "memory.png").stat().st_size > 0
-    events = [json.loads(line) for line in (workdir / "ddp" / "telemetry.jsonl").read_text().splitlines()]
-    assert len(events) == 6 * M and any(e["plan"] for e in events)
-    assert (workdir / "ddp" / "telemetry.rank1.jsonl").exists()
+    runs = read_run(workdir / "ddp")  # each process's events, in the output directory
+    assert list(runs) == ["rank 0", "rank 1"] and all(len(events) == 6 * M and any(e["plan"] for e in events) for events in runs.values())
+    # --report-to tensorboard: accelerator.log took the plugin's figures every step (TensorBoard's own reader)
+    scalars = EventAccumulator(str(workdir / "ddp" / "finetune_moe")).Reload()
+    assert [e.step for e in scalars.Scalars("bagualu/peak_device_bytes")] == list(range(6))
+    assert {"loss", "bagualu/capacity_bytes", "bagualu/budget_bytes", "bagualu/escalations"} <= set(scalars.Tags()["scalars"])
 
 
 @pytest.mark.multiprocess
@@ -137,7 +142,7 @@ def test_expert_parallel_over_two_processes(ddp, workdir):
     # the oracle: each micro-batch planned for the routing an untimed pass recorded, on both processes at once
     oracle = _run(workdir, "ep-oracle", _recipe(dp=2, ep=2), 6, 2, "--oracle")
     _same_training(oracle, stock, processes=2)
-    foreseen = [json.loads(line) for line in (workdir / "ep-oracle" / "telemetry.jsonl").read_text().splitlines()]
+    foreseen = read_run(workdir / "ep-oracle")["rank 0"]
     assert len(foreseen) == 6 * M and all(not e["escalations"] and not e["deferred"] for e in foreseen)  # nothing left to the gates
     for ours, data_parallel in zip(plugin, ddp[0]):
         assert ours["loss"] == pytest.approx(data_parallel["loss"], rel=1e-5)

@@ -54,6 +54,7 @@ def _launch(tmp: Path, runs: dict[str, dict]) -> dict[str, dict]:
     for name, data in runs.items():
         config, metrics = tmp / f"{name}.yaml", tmp / f"{name}.jsonl"
         data["bagualu"] = {**data["bagualu"], "metrics_path": str(metrics), "telemetry": {"path": str(tmp / f"{name}-events.jsonl")}}
+        data["logging"] = {"log_level": "info", "log_level_replica": "info"}  # every rank's figures, through nanotron's logger
         config.write_text(yaml.safe_dump(data))
         configs.append(str(config))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
@@ -71,6 +72,7 @@ def _launch(tmp: Path, runs: dict[str, dict]) -> dict[str, dict]:
             "metrics": [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()],
             "events": events,
             "config": import_nanotron().get_config_from_file(config, config_class=Config),
+            "log": done.stdout,  # the launch's, every run's lines
         }
     return out
 
@@ -210,6 +212,9 @@ def test_expert_parallel_spike_escalates_on_the_hot_rank_only(world4):
     assert escalated == {_world_rank(0, 0, 2)}
     hot = [e for e in plugin["events"][_world_rank(0, 0, 2)] if e["escalations"]]
     assert 1 in {e["micro_batch"] for e in hot} and {x["layer"] for e in hot for x in e["escalations"]} <= {0, 1}
+    # each rank logs its figures every iteration through nanotron's logger: the hot rank its escalations
+    logged = [line for line in plugin["log"].splitlines() if "bagualu/escalations" in line]
+    assert len(logged) >= 4 * STEPS and any("PP=0|TP=0|EXP=0]" in line and "bagualu/escalations: 0 " not in line for line in logged)
 
 
 @pytest.mark.multiprocess

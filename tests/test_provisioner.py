@@ -10,7 +10,7 @@ from helpers import tiny_recipe
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.config import Recipe, load_recipe
-from bagualu_plugin.costmodel import ModelDims
+from bagualu_plugin.costmodel import ModelDims, OpId
 from bagualu_plugin.planner import GateDecision, at_gate
 from bagualu_plugin.runtime import Ledger, SimulatedOutOfMemoryError
 from bagualu_plugin.runtime.boundaries import ForwardKind
@@ -49,10 +49,17 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
         assert [e["micro_batch"] for e in lines] == [0, 1, 2, 3, 4, 5]  # written in backward order
         fields = [
             "micro_batch", "phase", "budget", "predicted", "plan", "escalations", "deferred", "tokens", "seq_len",
-            "room_bytes", "planner_s", "actual", "peak_device_bytes", "live_after_backward", "point", "routed",
-            "balanced_pairs", "kind", "misses",
+            "room_bytes", "planner_s", "capacity", "forward", "mitigation_s", "mitigated", "actual", "peak_device_bytes",
+            "device_bytes", "live_after_backward", "point", "routed", "balanced_pairs", "kind", "misses",
         ]
         assert all(list(e) == fields for e in lines)
+        assert all(e["capacity"] == capacity for e in lines) and sorted(e["forward"] for e in lines) == list(range(6))
+        # what each plan took off, at the routing its gates saw: what nothing mitigated keeps beyond what the plan keeps
+        assert any(e["plan"] for e in lines)
+        for e in lines:
+            routed, plan = list(e["routed"].values()), {OpId.parse(op): s for op, s in e["plan"].items()}
+            taken = cm.activation_bytes(BATCH * SEQ, routed, SEQ) - cm.activation_bytes(BATCH * SEQ, routed, SEQ, plan)
+            assert sum(e["mitigated"].values()) == pytest.approx(taken) and (e["mitigation_s"] > 0) == bool(plan)
         assert all(e["misses"] == [] for e in lines)  # every op kept what the cost model predicts
         # the routing each MoE gate saw (what `bagualu simulate --trace` replays)
         assert all(list(e["routed"]) == [str(layer) for layer in cm.moe_layers] and all(e["routed"].values()) for e in lines)

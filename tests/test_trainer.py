@@ -35,11 +35,13 @@ from transformers import (  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
 import bagualu_plugin as bgl  # noqa: E402
+from bagualu_plugin import cli  # noqa: E402
 from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
 from bagualu_plugin.adapters.tiny import save_tiny, tiny_tokenizer  # noqa: E402
 from bagualu_plugin.costmodel.plan import Plan  # noqa: E402
 from bagualu_plugin.integrations.transformers import BagualuCallback, UnplannedCallback  # noqa: E402
 from bagualu_plugin.parallel.launch import free_port  # noqa: E402
+from bagualu_plugin.report import read_run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("glm4_moe", "deepseek_v3", "qwen3_moe")
@@ -153,6 +155,40 @@ def test_autocast_over_fp32_weights_is_said(checkpoints):
     prov.remove()
 
 
+@pytest.mark.parametrize("added", [False, True], ids=["given-to-the-trainer", "added-after-its-init"])
+def test_the_figures_reach_tensorboard_and_the_run_its_picture(checkpoints, tmp_path, added):
+    """The Trainer calls its report_to integrations before the callbacks it is given: the callback
+    logs first wherever it was put, so TensorBoard's event files (read back with TensorBoard's own
+    reader) hold every `bagualu/*` figure of every step. The telemetry is in the output directory,
+    and `bagualu report` draws it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3_moe"], local_files_only=True)
+    args = SFTConfig(
+        output_dir=str(tmp_path), max_length=LENGTH, per_device_train_batch_size=BATCH, gradient_accumulation_steps=M,
+        max_steps=STEPS, logging_steps=1, report_to=["tensorboard"], save_strategy="no", use_cpu=True,
+        gradient_checkpointing=False, disable_tqdm=True, bf16=False,
+    )
+    callback = BagualuCallback({"hardware": {"capacity_bytes": "1GiB"}})
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}), processing_class=tiny_tokenizer(),
+                         callbacks=None if added else [callback])
+    if added:
+        trainer.add_callback(callback)
+    trainer.train()
+    steps = [r for r in trainer.state.log_history if "loss" in r]
+    figures = sorted(k for k in steps[-1] if k.startswith("bagualu/"))
+    assert len(steps) == STEPS and "bagualu/escalations" in figures
+    (logdir,) = (tmp_path / "runs").iterdir()
+    scalars = EventAccumulator(str(logdir)).Reload()
+    assert set(f"train/{k}" for k in figures) <= set(scalars.Tags()["scalars"])
+    for k in ("bagualu/peak_device_bytes", "bagualu/micro_batches", "bagualu/planner_ms"):  # the run's summary record too
+        logged = [r[k] for r in trainer.state.log_history if k in r]
+        assert [e.value for e in scalars.Scalars(f"train/{k}")] == pytest.approx(logged, rel=1e-6) and len(logged) >= STEPS
+    runs = read_run(tmp_path)
+    assert list(runs) == ["run"] and len(runs["run"]) == STEPS * M
+    assert cli.main(["report", str(tmp_path)]) == 0 and (tmp_path / "bagualu-report.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize(
     ("argument", "value"),
     [("gradient_checkpointing", True), ("activation_offloading", True), ("use_liger_kernel", True), ("torch_compile", True)],
@@ -233,8 +269,10 @@ def test_two_processes_under_accelerate_launch(checkpoints, trainer, ep, lora, f
     assert mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
     steps = [r for r in records if "loss" in r]
     assert all(r["bagualu/peak_device_bytes"] <= capacity for r in steps) and max(r["bagualu/mitigated_ops"] for r in steps) > 0
-    events = json.loads((ours / "events.json").read_text())
-    assert len(events) == STEPS * M and any(e["plan"] for e in events)
+    runs = read_run(ours)  # each process's telemetry, in the output directory by default
+    assert list(runs) == ["rank 0", "rank 1"] and all(len(events) == STEPS * M for events in runs.values())
+    assert all(any(e["plan"] and sum(e["mitigated"].values()) > 0 for e in events) for events in runs.values())
+    assert cli.main(["report", str(ours)]) == 0 and (ours / "bagualu-report.png").stat().st_size > 0
 
 
 @pytest.mark.multiprocess

@@ -20,7 +20,7 @@ from . import analytic
 from .dims import ModelDims, Parallel
 from .graph import BlockGraph, OpId, OpSpec, TensorSpec
 from .linear import LinearForm, Load
-from .mitigation import Footprint, MitigationOptions, device_bytes_by_op, footprint, holding_regions
+from .mitigation import MITIGATIONS, Footprint, MitigationOptions, device_bytes_by_op, footprint, holding_regions
 from .pipeline import MicroBatchCost, stage_layers
 
 FORMAT = "bagualu-costmodel/1"
@@ -276,6 +276,37 @@ class CostModel:
             after.forward_extra_s - before.forward_extra_s,
             after.backward_extra_s - before.backward_extra_s,
         )
+
+    def mitigated(
+        self,
+        tokens: int,
+        routed: Routed = None,
+        seq_len: int | None = None,
+        plan: Mapping[OpId, str] | None = None,
+        options: MitigationOptions = MitigationOptions(),
+    ) -> dict[str, float]:
+        """The device bytes `plan` takes off the micro-batch, per strategy: each block's
+        strategies applied one after another (recompute, offload, fp8), each credited with what
+        it took off beyond the ones before; the layer arguments recompute regions hold are
+        recompute's cost. Sums to what nothing mitigated keeps minus what `plan` keeps; only the
+        blocks the plan touches are priced (it runs once per micro-batch, for its telemetry)."""
+        out = dict.fromkeys(MITIGATIONS, 0.0)
+        plans = {i: p for i, p in self._split(plan).items() if p}
+        if not plans:
+            return out
+        loads = self.loads(tokens, routed, seq_len)
+        for i, block_plan in plans.items():
+            kept, applied = footprint(self.blocks[i], {}, loads[i], self.hardware, options).device_bytes, {}
+            for strategy in MITIGATIONS:
+                step = {name: s for name, s in block_plan.items() if s == strategy}
+                if step:
+                    applied |= step
+                    now = footprint(self.blocks[i], applied, loads[i], self.hardware, options).device_bytes
+                    out[strategy] += kept - now
+                    kept = now
+        holding = {i for i, p in plans.items() if holds_arguments(self.blocks[i], p)}
+        out["recompute"] -= self.argument_bytes(loads, holding)
+        return out
 
     def recompute_unit(self, op: OpId) -> list[OpId]:
         """The smallest run of ops that can be recomputed together with `op` (None of it if none);

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from ..adapters import Adapter
 from ..adapters.gate import RoutingSkew
+from ..config import Telemetry
 from ..costmodel.pipeline import Step
 from ..costmodel.plan import Plan
 from ..planner.decider import static_plan
@@ -148,8 +149,9 @@ class PolicyRun:
         self._install()  # the Provisioner refuses a capacity that cannot hold M0, before any training
 
     def _install(self) -> None:
-        if self.current in PLANNED:
-            self.runner = Provisioner(self.model, self.stage.recipe, self.stage.cost)
+        if self.current in PLANNED:  # the demo draws its own timeline: no telemetry file per policy and restart
+            recipe = self.stage.recipe.model_copy(update={"telemetry": Telemetry(enabled=False)})
+            self.runner = Provisioner(self.model, recipe, self.stage.cost)
         else:  # the Ledger enforces a simulated capacity; a real device's allocator its own
             simulated = self.current != "unbounded" and self.stage.recipe.hardware.simulated
             capacity = self.stage.capacity if simulated else None

@@ -9,8 +9,10 @@ the training arguments (gradient-accumulation steps, per-device batch, TRL's `ma
 whatever `recipe` gives winning (on CPU at least `{"hardware": {"capacity_bytes": ...}}`), and
 installs a Provisioner on the model (`callback.provisioner`); the Trainer's loop runs unchanged,
 each micro-batch found on the model (`runtime.boundaries`). At train end it removes itself; the
-Provisioner's events stay readable. Its figures go into each of the Trainer's log records
-(`state.log_history`) and to the loggers called after it.
+Provisioner's events stay readable, and unless the recipe turns telemetry off they are in
+`bagualu-telemetry.jsonl` in the output directory (`bagualu report OUTPUT_DIR` draws them). Its
+figures go into each of the Trainer's log records (`state.log_history`) and to every `report_to`
+integration (TensorBoard, W&B, MLflow, ...): it logs before them, whatever order it was given in.
 
 `UnplannedCallback` is the same run's memory without the plugin (counted, not limited), for sizing
 the capacity or comparing.
@@ -28,6 +30,7 @@ from contextlib import ExitStack
 
 from accelerate.state import AcceleratorState
 from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
 
 from ..adapters import Adapter
 from ..costmodel import CostModel
@@ -58,10 +61,10 @@ class BagualuCallback(TrainerCallback):
         full `Recipe`); `cost`: the model's cost model (default: the analytic one)."""
         self.recipe, self.cost = recipe, cost
         self.provisioner: Provisioner | None = None
-        self._logged = 0  # forwards counted at the last log
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         _check_arguments(args)
+        _log_first(self)
         given = self.recipe.get("parallel", {}) if isinstance(self.recipe, dict) else {}
         if given.get("ep", 1) > 1:
             engine = next((n for n in ("fsdp_plugin", "deepspeed_plugin") if getattr(_accelerator_state(), n, None)), None)
@@ -74,39 +77,15 @@ class BagualuCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _check_arguments(args)
+        _log_first(self)  # added after the Trainer's init
         kind = ForwardKind(fused_head=self.cost is None and _fused_head(model))
         budget = trainer_budget(args, _accelerator_state())
-        self.provisioner = Provisioner(model, derive_recipe(model, self.recipe, training_args=args, budget=budget), self.cost, kind)
-        self._logged = 0
+        recipe = derive_recipe(model, self.recipe, training_args=args, budget=budget).with_output_dir(args.output_dir or ".")
+        self.provisioner = Provisioner(model, recipe, self.cost, kind)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.provisioner is None or logs is None:
-            return
-        _log(state, logs, self.figures())
-
-    def figures(self) -> dict[str, float]:
-        """The plugin's figures: the peak device bytes so far (static memory plus the Ledger's
-        activations) against the capacity; over the micro-batches since the last log the tightest budget, the most
-        mitigated ops in one plan, the gate's escalations and deferrals, planner ms per micro-batch,
-        the ops that kept other bytes than the cost model predicted."""
-        prov = self.provisioner
-        new = list(prov.events)[len(prov.events) - min(prov.forwards - self._logged, len(prov.events)):]
-        self._logged = prov.forwards
-        figures = {
-            "bagualu/peak_device_bytes": prov.peak_device_bytes,
-            "bagualu/capacity_bytes": prov.stage.capacity,
-            "bagualu/micro_batches": len(new),
-        }
-        if new:
-            figures.update({
-                "bagualu/budget_bytes": min(e.budget for e in new),
-                "bagualu/mitigated_ops": max(len(e.plan) for e in new),
-                "bagualu/escalations": sum(len(e.escalations) + len(e.deferred) for e in new),
-                "bagualu/planner_ms": 1e3 * sum(e.planner_s for e in new) / len(new),
-                # ops that kept other bytes than the cost model predicted (`runtime.calibration`)
-                "bagualu/cost_model_misses": sum(len(e.misses) for e in new),
-            })
-        return figures
+        if self.provisioner is not None and logs is not None:
+            _log(state, logs, self.provisioner.figures())
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.provisioner is not None:
@@ -124,6 +103,7 @@ class UnplannedCallback(TrainerCallback):
         self._stack = ExitStack()
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        _log_first(self)
         self.ledger = Ledger.for_model(model)
         self.static = StaticMemory(Adapter(model).model, self.ledger)
         self.static.watch(lambda: None)  # counts an optimizer's state from its first step
@@ -151,6 +131,24 @@ def _log(state, logs: dict, figures: dict) -> None:
     logs.update(figures)
     if state.log_history and all(state.log_history[-1].get(k) == v for k, v in logs.items() if k not in figures):
         state.log_history[-1].update(figures)
+
+
+def _log_first(callback: TrainerCallback) -> None:
+    """Move `callback` to the front of the Trainer's callbacks, so that the records it adds its
+    figures to reach the `report_to` integrations, which the Trainer puts before the callbacks it
+    is given. The handler is the one whose event is calling: found on the stack (it does not pass
+    itself to its callbacks). Moving the running callback to the front keeps the indices of those
+    after it, so the event in progress calls each of them once."""
+    frame = inspect.currentframe().f_back
+    for _ in range(4):
+        if frame is None:
+            return
+        handler = frame.f_locals.get("self")
+        if isinstance(handler, CallbackHandler) and callback in handler.callbacks:
+            handler.callbacks.remove(callback)
+            handler.callbacks.insert(0, callback)
+            return
+        frame = frame.f_back
 
 
 def _accelerator_state() -> AcceleratorState | None:

@@ -40,6 +40,12 @@ class Miss:
     predicted: int
 
 
+def gate_pairs(cm: CostModel, routed: Mapping[int, float]) -> list[float] | None:
+    """A forward's routed pairs as `cm` takes them, one per MoE layer; None (top-k per token)
+    where a gate did not report (no MoE layer, or its forward raised before)."""
+    return [routed[layer] for layer in cm.moe_layers] if all(layer in routed for layer in cm.moe_layers) else None
+
+
 class Calibration:
     """The check after each forward, and what it has learnt: the ops of each kind of forward
     already reported, and the cost models corrected."""
@@ -58,8 +64,7 @@ class Calibration:
         (masks, position ids, the loss's token count) is charged to the embedding whichever block
         saves it first. A total that differs names the ops of the blocks that differ, and an
         excess goes to the op that kept the most beyond its prediction."""
-        pairs = [routed[layer] for layer in cm.moe_layers] if all(layer in routed for layer in cm.moe_layers) else None
-        predicted = {op: round(n) for op, n in cm.device_bytes_by_op(tokens, pairs, seq_len, plan, options).items()}
+        predicted = {op: round(n) for op, n in cm.device_bytes_by_op(tokens, gate_pairs(cm, routed), seq_len, plan, options).items()}
         excess = sum(measured.values()) - sum(predicted.values())
         if not excess:
             return [], cm

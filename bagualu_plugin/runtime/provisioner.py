@@ -43,7 +43,7 @@ from ..planner.gate import escalated
 from ..stage import Stage, mitigation_options
 from ..units import fmt_bytes
 from .boundaries import Boundaries, ForwardKind
-from .calibration import Calibration, Expected, Miss
+from .calibration import Calibration, Expected, Miss, gate_pairs
 from .ledger import Ledger, SimulatedOutOfMemoryError
 from .plan_runtime import PlanRuntime
 from .static_memory import StaticMemory
@@ -89,8 +89,13 @@ class Event:
     seq_len: int
     room_bytes: float = 0.0  # room beyond what it keeps, counted in its budget: its backward's reloads, or a moment's saves (Footprint)
     planner_s: float = 0.0
+    capacity: int = 0  # the stage's device capacity
+    forward: int = 0  # its place among the run's forwards (the file is in backward order)
+    mitigation_s: float = 0.0  # the time its plan adds, forward and backward, as the cost model prices it
+    mitigated: dict[str, float] = field(default_factory=dict)  # device bytes its plan took off, per strategy (`CostModel.mitigated`)
     actual: int | None = None  # set by end_forward
-    peak_device_bytes: int | None = None  # static bytes plus the ledger's peak, at end_forward
+    peak_device_bytes: int | None = None  # the run's peak so far (`Provisioner.peak_device_bytes`), at end_forward
+    device_bytes: int | None = None  # static bytes and every micro-batch's activations, at its forward's end
     live_after_backward: int | None = None  # set by end_backward
     point: Point | None = None  # the fused scheduling point it began (runtime.dual_batch), if any
     routed: dict[int, int] = field(default_factory=dict)  # local routed pairs at each MoE layer's gate
@@ -202,11 +207,12 @@ class Provisioner:
         self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate).install()  # active while a forward runs
         self.gate.active = False
         self._groups = {part.index: expert_group(part.experts) for part in adapter.layers if part.moe}  # None: one process
-        self.telemetry = Path(recipe.telemetry.path) if recipe.telemetry.path else None
+        self.telemetry = _telemetry_file(recipe)
         # the latest micro-batches' events (a long run would otherwise grow without bound) and
         # running totals over all of them
         self.events: deque[Event] = deque(maxlen=EVENTS_KEPT)
         self.forwards, self.planner_s = 0, 0.0
+        self._reported = 0  # forwards counted by the last `figures()`
         self._awaiting_backward: dict[int, Event] = {}
         self._forward: _Forward | None = None
         self._foreseen: dict[int, tuple[tuple[int, int, ForwardKind], Foresight]] = {}  # by micro-batch (`foresee`)
@@ -367,6 +373,7 @@ class Provisioner:
         event = Event(
             mb, scheduled, budget, decision.activation_bytes, decision.plan.named(), decided.escalations, decided.deferred, tokens, seq_len,
             decision.room_bytes, routed=decided.routed, balanced_pairs=decided.balanced, kind=kind._asdict(),
+            capacity=self.stage.capacity, forward=self.forwards, mitigation_s=decision.forward_extra_s + decision.backward_extra_s,
         )
         self.ledger.micro_batch = mb
         hooks = ExitStack()
@@ -435,9 +442,13 @@ class Provisioner:
         self._forward = None
         actual = self.ledger.by_micro_batch().get(mb, 0)
         self.decider.end(f.decided, actual + round(f.event.room_bytes))
-        f.event.actual = actual
+        e = f.event
+        e.actual = actual
+        cost = self.decider.costs[f.kind]
+        e.mitigated = cost.mitigated(e.tokens, gate_pairs(cost, e.routed), e.seq_len, f.decided.plan, self.stage.options)
         self._calibrate(f)
         f.event.peak_device_bytes = self.peak_device_bytes
+        f.event.device_bytes = self.stage.static_bytes + self.ledger.live_device_bytes
         self.events.append(f.event)
         self.forwards += 1
         self.planner_s += f.event.planner_s
@@ -473,6 +484,32 @@ class Provisioner:
             with self.telemetry.open("a") as f:
                 f.write(event.to_json() + "\n")
         return live
+
+    def figures(self) -> dict[str, float]:
+        """The `bagualu/*` figures for a logger (`accelerator.log(prov.figures(), step=step)`; the
+        Trainer callback and nanotron's launcher log them themselves): the peak device bytes so far
+        (static memory plus the Ledger's activations) against the capacity; over the micro-batches
+        since the last call the tightest budget, the most mitigated ops in one plan, the bytes the
+        plans took off, the gates' escalations and deferrals, planner ms per micro-batch, and the
+        ops that kept other bytes than the cost model predicted (`runtime.calibration`)."""
+        new = list(self.events)[len(self.events) - min(self.forwards - self._reported, len(self.events)):]
+        self._reported = self.forwards
+        figures = {
+            "bagualu/peak_device_bytes": self.peak_device_bytes,
+            "bagualu/capacity_bytes": self.stage.capacity,
+            "bagualu/micro_batches": len(new),
+        }
+        if new:
+            figures.update({
+                "bagualu/budget_bytes": min(e.budget for e in new),
+                "bagualu/mitigated_ops": max(len(e.plan) for e in new),
+                "bagualu/mitigated_bytes": max(sum(e.mitigated.values()) for e in new),
+                "bagualu/escalations": sum(len(e.escalations) for e in new),
+                "bagualu/deferrals": sum(len(e.deferred) for e in new),
+                "bagualu/planner_ms": 1e3 * sum(e.planner_s for e in new) / len(new),
+                "bagualu/cost_model_misses": sum(len(e.misses) for e in new),
+            })
+        return figures
 
     def micro_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> AbstractContextManager[int]:
         """One micro-batch of a loop without pipeline parallelism, explicitly: its forward and
@@ -529,6 +566,18 @@ class Provisioner:
         self.runtime.remove()
         if getattr(self.runtime.adapter.model, INSTALLED_ATTR, None) is self:
             delattr(self.runtime.adapter.model, INSTALLED_ATTR)
+
+
+def _telemetry_file(recipe: Recipe) -> Path | None:
+    """This process's events file (`Telemetry.file`: one per rank where several run), begun
+    anew: a run's file holds that run's micro-batches only."""
+    dist = torch.distributed
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    path = recipe.telemetry.file(rank, world)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("")
+    return path
 
 
 def apply(model: nn.Module, recipe: Recipe | dict | str | os.PathLike[str] | None = None, cost: CostModel | None = None) -> Provisioner:

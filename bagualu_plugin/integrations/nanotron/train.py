@@ -36,9 +36,12 @@ frozen after set-up and collects at each iteration's end on every rank at once
 "peak_device_bytes"}`: the loss is the mean over data replicas of the sum of the last pipeline
 rank's micro-batch losses (nanotron divides each by the micro-batch count), the peaks the
 activation bytes each rank's Ledger saw (the Provisioner's with the plugin, one tracking the
-forwards without), in world-rank order, so stock and plugin runs compare line by line. With
-`bagualu.telemetry.path` each rank writes its own Provisioner events to that path with
-`.rank<world rank>` before the suffix.
+forwards without), in world-rank order, so stock and plugin runs compare line by line. Each rank
+logs its `bagualu/*` figures every iteration through nanotron's logger (`LoggerWriter`; the
+config's `logging:` section sets its levels), and writes its Provisioner's events to
+`bagualu-telemetry.rank<world rank>.jsonl` beside the checkpoints (`checkpoints.checkpoints_path`;
+`bagualu.telemetry.path` names another file, its rank put before the suffix the same way;
+`bagualu report DIR` draws them).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from ...adapters import Adapter
 from ...adapters.costs import model_cost
 from ...adapters.gate import RoutingSkew
 from ...collector import ManualCollector
-from ...config import Recipe, RecipeError, Spikes
+from ...config import RecipeError, Spikes
 from ...costmodel.pipeline import stage_layers
 from ...parallel.checkpoint import expert_shards, load_pretrained
 from ...parallel.gradients import all_reduce_gradients
@@ -72,6 +75,7 @@ from .compat import import_nanotron
 _nanotron_config = import_nanotron()
 
 from nanotron.config.models_config import ExistingCheckpointInit  # noqa: E402
+from nanotron.logging import LoggerWriter, LogItem, set_ranks_logging_level  # noqa: E402
 from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine  # noqa: E402
 from nanotron.parallel.pipeline_parallel.p2p import P2P  # noqa: E402
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
@@ -177,17 +181,6 @@ class _GradientSync:
             all_reduce_gradients(self.experts, self.dp, self.replicas)
 
 
-def _per_rank(recipe: Recipe, rank: int) -> Recipe:
-    """`recipe` with its telemetry file made this rank's: `path.rank<rank>.suffix`."""
-    path = recipe.telemetry.path
-    if not path:
-        return recipe
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    telemetry = recipe.telemetry.model_copy(update={"path": str(path.with_name(f"{path.stem}.rank{rank}{path.suffix}"))})
-    return recipe.model_copy(update={"telemetry": telemetry})
-
-
 def _install_spikes(spikes: Spikes, model: nn.Module, layers: range, ep: int, iterations: int, micro_batches: int):
     """Skew every forward's routing in this stage's `layers` as the seeded schedule says (the same
     on every rank); returns what to call before each forward (once per micro-batch on every rank:
@@ -214,6 +207,8 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
     par, tokens = config.parallelism, config.tokens
     ep = getattr(par, "expert_parallel_size", 1)
     pc = parallel_context(par.tp, par.pp, par.dp, ep)
+    if config.logging is not None:
+        set_ranks_logging_level(pc, config.logging)
     ep_pg = expert_group(pc)
     pp_rank, ep_rank, dp_rank = dist.get_rank(pc.pp_pg), dist.get_rank(ep_pg), dist.get_rank(pc.dp_pg)
     last, m = par.pp - 1, tokens.batch_accumulation_per_replica
@@ -231,7 +226,9 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
         next_forward = _install_spikes(spikes, model, stage_layers(len(Adapter(model).layers), par.pp, pp_rank), ep, tokens.train_steps, m)
     prov = None
     if config.bagualu is not None and config.bagualu.enabled:
-        recipe = _per_rank(recipe_for(config, pp_rank, ep_rank), rank)
+        recipe = recipe_for(config, pp_rank, ep_rank)
+        if config.checkpoints is not None:  # the run's events beside its checkpoints
+            recipe = recipe.with_output_dir(config.checkpoints.checkpoints_path)
         prov = apply(model, recipe, model_cost(model, recipe.hardware).stage(par.pp, pp_rank))
         sizes = (tokens.micro_batch_size * tokens.sequence_length, tokens.sequence_length)
         if recipe.pipeline.dual_batch:
@@ -278,6 +275,9 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
                     line = {"iteration": iteration, "loss": loss.item() / sync.replicas, "peak_device_bytes": [int(p) for p in peaks]}
                     out.write(json.dumps(line) + "\n")
                     out.flush()
+                if prov is not None:
+                    figures = [LogItem(k, v, "human_format" if k.endswith("bytes") else None) for k, v in prov.figures().items()]
+                    LoggerWriter(tokens.train_steps).add_scalars_from_list(figures, iteration + 1)
                 collector.step()
     finally:
         if out is not None:
