@@ -598,6 +598,96 @@ def expert_parallel_group_of_one(ctx: Context):
             f"ledger - cost model: {errors[0]} B, {errors[2]} B", not any(errors))
 
 
+# ---------------------------------------------------------------- the Trainer's sharding engines
+
+ENGINES = {  # the Trainer's own arguments for each engine, on one process
+    "FSDP2": {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}},
+    "ZeRO-3": {"deepspeed": {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+                             "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}},
+}
+
+
+def _engine_run(ctx: Context, engine: str, callback, workdir: str):
+    """SFTTrainer on a tiny Qwen3-MoE (FP32, eager attention, seeded) under `engine`, `callback`
+    given; returns the per-step losses, the trainer, and whether the engine really ran (FSDP2:
+    the weights are DTensors; ZeRO-3: DeepSpeed partitioned them)."""
+    from accelerate.state import AcceleratorState
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from bagualu_plugin.adapters.tiny import tiny_tokenizer
+
+    AcceleratorState._reset_state(reset_partial_state=False)  # each Trainer reads its own engine
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", attn_implementation="eager")
+    texts = [" ".join(["tokens of a short training text"] * (1 + i % 4)) for i in range(16)]
+    args = SFTConfig(
+        output_dir=workdir, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3, max_length=32,
+        logging_steps=1, report_to=[], save_strategy="no", gradient_checkpointing=False, bf16=False, seed=0,
+        use_cpu=not ctx.cuda, disable_tqdm=True, **ENGINES[engine],
+    )
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts}),
+                         processing_class=tiny_tokenizer(), callbacks=[callback])
+    trainer.train()
+    weights = [p for p in trainer.model_wrapped.parameters()]
+    on = (trainer.is_fsdp_enabled and any(type(p).__name__ == "DTensor" for p in weights)) if engine == "FSDP2" else (
+        trainer.is_deepspeed_enabled and any(hasattr(p, "ds_id") for p in weights))
+    return [r["loss"] for r in trainer.state.log_history if "loss" in r], trainer, on
+
+
+@check("HF Trainer under FSDP2 and DeepSpeed ZeRO-3 (one process)")
+def trainer_engines(ctx: Context):
+    """SFTTrainer with `BagualuCallback` under each sharding engine, on one GPU (a process group of
+    one: the Trainer shards over it as over many): the engine really on, losses bitwise the same
+    Trainer's without the plugin, the peak at or under 93% of that run's unplanned peak with plans
+    in force and no cost-model miss. accelerate runs neither engine on CPU (it runs DDP): there the
+    FSDP2 run goes as far as that and the check is skipped."""
+    import importlib.util
+
+    from bagualu_plugin.integrations.transformers import BagualuCallback, UnplannedCallback
+    from bagualu_plugin.parallel.launch import free_port
+
+    launched = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    saved = {k: os.environ.get(k) for k in launched}
+    os.environ.update(launched)
+    results, figures, ok = [], [], True
+    try:
+        for engine in ENGINES:
+            if engine == "ZeRO-3" and (not ctx.cuda or importlib.util.find_spec("deepspeed") is None):
+                results.append(f"{engine}: skipped ({'needs CUDA' if not ctx.cuda else 'deepspeed is not installed'})")
+                continue
+            with tempfile.TemporaryDirectory() as workdir:
+                unplanned = UnplannedCallback()
+                stock, _, on = _engine_run(ctx, engine, unplanned, workdir)
+                if not on:
+                    if ctx.cuda:
+                        raise AssertionError(f"{engine}: the Trainer did not shard the model")
+                    raise Skip(f"skipped: on CPU the Trainer runs no {engine} (accelerate shards only on accelerator devices)")
+                capacity = int(0.93 * max(unplanned.peaks))
+                callback = BagualuCallback({"hardware": {"capacity_bytes": capacity}, "strategies": {"allowed": ["recompute", "offload"]}})
+                ours, _, _ = _engine_run(ctx, engine, callback, workdir)
+            prov = callback.provisioner
+            events = list(prov.events)
+            good = (ours == stock and prov.peak_device_bytes <= capacity and any(e.plan for e in events)
+                    and not any(e.misses for e in events))
+            ok &= good
+            results.append(f"{engine}: losses {'bitwise' if ours == stock else 'DIFFER'}, {sum(bool(e.plan) for e in events)} plans")
+            figures.append(f"{engine} peak {prov.peak_device_bytes} <= {capacity} B: {prov.peak_device_bytes <= capacity}, "
+                           f"{sum(len(e.misses) for e in events)} misses")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return "; ".join(results), "; ".join(figures), ok
+
+
+# ---------------------------------------------------------------- driver
 # ---------------------------------------------------------------- driver
 
 

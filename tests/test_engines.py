@@ -15,7 +15,7 @@ from transformers import TrainingArguments
 
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.config import RecipeError
-from bagualu_plugin.integrations.engines import fsdp_budget, trainer_budget, zero_budget
+from bagualu_plugin.integrations.engines import engine, engine_budget, fsdp_budget, trainer_budget, zero_budget
 from bagualu_plugin.stage import Stage
 
 OFF = {"offload_optimizer": False, "offload_params": False}
@@ -104,4 +104,5 @@ def test_asking_for_fsdp_on_cpu_is_said_and_ddp_priced(tmp_path):
     state = Accelerator(cpu=True).state
     with pytest.warns(RuntimeWarning, match=r"ask for fsdp, but the Trainer runs NO .*prices the memory of what runs"):
         assert trainer_budget(args, state) == {}
+    assert engine(state) is None and engine_budget(state) == {}  # what the Accelerate path prices: the same
     assert not torch.distributed.is_initialized()

@@ -39,6 +39,7 @@ from ..derive import PartialRecipe, derive_recipe
 from ..parallel.checkpoint import expert_shards
 from ..parallel.expert import expert_parallel
 from ..runtime.provisioner import Provisioner
+from .engines import engine, engine_budget
 
 
 def apply(model: nn.Module, recipe: PartialRecipe = None, accelerator=None) -> Provisioner:
@@ -50,12 +51,13 @@ def apply(model: nn.Module, recipe: PartialRecipe = None, accelerator=None) -> P
 def prepare_model(model: nn.Module, recipe: PartialRecipe, accelerator) -> Recipe:
     """What a run of `recipe` (whatever it leaves out derived: `bgl.derive_recipe`) under
     `accelerator` needs with the plugin or without it: the recipe checked against the accelerator
-    (no pipeline, dp = its processes, ep = 1 or its processes, no FSDP activation checkpointing:
-    two owners of recompute), and under expert parallelism the experts sharded over the processes
-    for DDP. Returns this process's recipe (its `ep_rank`)."""
+    (no pipeline, dp = its processes, ep = 1 or its processes, and 1 under FSDP or DeepSpeed), its
+    budget the sharding engine's (`engines.engine_budget`, which refuses FSDP's activation
+    checkpointing: two owners of recompute), and under expert parallelism the experts sharded over
+    the processes for DDP. Returns this process's recipe (its `ep_rank`)."""
     if accelerator is None:
         raise ValueError("integrations.accelerate: pass the Accelerator that will prepare the model")
-    recipe = derive_recipe(model, recipe, accelerator=accelerator)
+    recipe = derive_recipe(model, recipe, accelerator=accelerator, budget=engine_budget(accelerator.state))
     n, rank = accelerator.num_processes, accelerator.process_index
     par, pipe = recipe.parallel, recipe.pipeline
     problems = []
@@ -65,9 +67,11 @@ def prepare_model(model: nn.Module, recipe: PartialRecipe, accelerator) -> Recip
         problems.append(f"parallel.dp={par.dp}, but Accelerate runs {n} processes: they must be equal")
     if par.ep not in (1, n):
         problems.append(f"parallel.ep={par.ep}: expert parallelism runs over all {n} processes or none (1)")
-    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
-    if fsdp is not None and getattr(fsdp, "activation_checkpointing", False):
-        problems.append("fsdp_activation_checkpointing is on: it recomputes whole layers, bgl.apply plans recompute per operator")
+    elif par.ep > 1 and engine(accelerator.state) is not None:
+        problems.append(
+            f"parallel.ep={par.ep}: expert parallelism runs inside DistributedDataParallel, but Accelerate runs "
+            f"{engine(accelerator.state)}, which shards the experts itself; drop parallel.ep"
+        )
     if problems:
         raise ValueError("bagualu accelerate: " + "; ".join(problems))
     if par.ep == 1 or Adapter(model).expert_group is not None:

@@ -68,18 +68,28 @@ def zero_budget(config: dict[str, Any]) -> dict[str, bool]:
     return {"fsdp": stage == 3, "shard_optimizer": stage >= 1, "shard_gradients": stage >= 2, **offloaded}
 
 
+def engine(state: Any) -> str | None:
+    """The sharding engine accelerate runs (`state`: its `AcceleratorState`, None before one
+    exists): "fsdp", "deepspeed", or None (DDP or one process)."""
+    return next((name for name in ("fsdp", "deepspeed") if getattr(state, f"{name}_plugin", None) is not None), None)
+
+
+def engine_budget(state: Any) -> dict[str, bool]:
+    """The `budget` fields of the sharding engine accelerate runs (`engine`); {} for none."""
+    if engine(state) == "fsdp":
+        return fsdp_budget(state.fsdp_plugin)
+    if engine(state) == "deepspeed":
+        return zero_budget(state.deepspeed_plugin.deepspeed_config)
+    return {}
+
+
 def trainer_budget(args: Any, state: Any) -> dict[str, bool]:
-    """The `budget` fields of the sharding engine the Trainer really runs (`state`: accelerate's
-    `AcceleratorState`, None before one exists). Training arguments that ask for FSDP or
-    DeepSpeed while the Trainer runs neither (accelerate enables them only on accelerator
-    devices; on CPU it runs DistributedDataParallel) are named in a warning: the plugin then
-    prices what runs."""
-    fsdp = getattr(state, "fsdp_plugin", None)
-    deepspeed = getattr(state, "deepspeed_plugin", None)
-    if fsdp is not None:
-        return fsdp_budget(fsdp)
-    if deepspeed is not None:
-        return zero_budget(deepspeed.deepspeed_config)
+    """The `budget` fields of the sharding engine the Trainer really runs (`engine_budget`).
+    Training arguments that ask for FSDP or DeepSpeed while the Trainer runs neither (accelerate
+    enables them only on accelerator devices; on CPU it runs DistributedDataParallel) are named in
+    a warning: the plugin then prices what runs."""
+    if engine(state) is not None:
+        return engine_budget(state)
     asked = [name for name in ("fsdp", "deepspeed") if getattr(args, name, None)]
     if asked:
         runs = getattr(getattr(state, "distributed_type", None), "value", "no distributed engine")

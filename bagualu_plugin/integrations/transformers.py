@@ -40,7 +40,7 @@ from ..runtime.ledger import Ledger
 from ..runtime.provisioner import Provisioner
 from ..runtime.static_memory import StaticMemory
 from .accelerate import shard_experts_for_ddp
-from .engines import trainer_budget
+from .engines import engine, trainer_budget
 
 # training arguments that would make a second owner of recompute, offload, the saved tensors or the loss (the first
 # name is the one the error tells the user to set; transformers 5 also spells it the second way)
@@ -67,11 +67,11 @@ class BagualuCallback(TrainerCallback):
         _log_first(self)
         given = self.recipe.get("parallel", {}) if isinstance(self.recipe, dict) else {}
         if given.get("ep", 1) > 1:
-            engine = next((n for n in ("fsdp_plugin", "deepspeed_plugin") if getattr(_accelerator_state(), n, None)), None)
-            if engine is not None:
+            sharding = engine(_accelerator_state())
+            if sharding is not None:
                 raise ValueError(
                     f"BagualuCallback: parallel.ep={given['ep']}: expert parallelism runs inside DistributedDataParallel, "
-                    f"but the Trainer runs {engine.split('_')[0]}, which shards the experts itself; drop parallel.ep"
+                    f"but the Trainer runs {sharding}, which shards the experts itself; drop parallel.ep"
                 )
             shard_experts_for_ddp(model)
 
