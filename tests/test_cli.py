@@ -82,6 +82,8 @@ def test_validate_recipe(tmp_path, capsys):
         (["demo", "--policies", "none,none"], "--policies expects distinct names"),
         (["demo", "--steps", "0"], "--steps must be >= 1"),
         (["demo", "no-such-recipe"], "no-such-recipe"),
+        (["report", "."], "no bagualu-telemetry.jsonl (or bagualu-telemetry.rank<R>.jsonl) in this directory"),
+        (["report", "missing.jsonl"], "missing.jsonl: no such telemetry file or output directory"),
     ],
 )
 def test_every_error_reads_as_argparse_writes_its_own(args, message, capsys):
@@ -157,3 +159,12 @@ def test_tiny_checkpoint_writes_a_model_and_a_tokenizer(tmp_path, capsys):
         with pytest.raises(SystemExit):
             main(["tiny-checkpoint", *args])
         assert message in capsys.readouterr().err
+
+
+def test_report_names_a_line_that_is_no_event_and_an_empty_run(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "other.jsonl").write_text('{"loss": 1.0}\n')
+    code, _, err = _main(capsys, "report", str(tmp_path / "empty.jsonl"))
+    assert code == 2 and "empty.jsonl: no micro-batch ended its backward in this run" in err
+    code, _, err = _main(capsys, "report", str(tmp_path / "other.jsonl"))
+    assert code == 2 and "other.jsonl:1: not a telemetry event" in err
