@@ -193,7 +193,7 @@ class Telemetry(_Section):
 
     enabled: bool = Field(default=True, description="write the events; false: none")
     path: str | None = Field(
-        default=None, description=f"JSON-lines file; None: {TELEMETRY_FILE} in the run's output directory (the working directory)"
+        default=None, description="JSON-lines file; None: bagualu-telemetry.jsonl in the run's output directory (the working directory)"
     )
 
     def file(self, rank: int = 0, world: int = 1) -> Path | None:
