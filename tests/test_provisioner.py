@@ -2,6 +2,8 @@
 stage numbers it budgets with; the gate-time decision, worked by hand."""
 
 import json
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,6 +90,31 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
             for ids in _batches():
                 losses.append(model(input_ids=ids, labels=ids).loss)
     assert len(losses) == 2
+
+
+def test_the_telemetry_is_on_by_default_and_a_switch_or_an_unwritable_place_turns_it_off(tmp_path):
+    """Without a path the events go to the working directory (the test's own), one file per rank
+    where several write, begun anew by each run; `enabled: false` writes none; a place that cannot
+    be written is said once and the run goes on with its events in memory."""
+    from bagualu_plugin.config import Telemetry
+
+    assert Telemetry().file() == Path("bagualu-telemetry.jsonl")
+    assert Telemetry(path="out/events.jsonl").file(rank=3, world=4) == Path("out/events.rank3.jsonl")
+    assert Telemetry(enabled=False).file() is None
+    model = tiny_model("glm4_moe", num_hidden_layers=4)
+    recipe = _recipe(model, 10 * model_cost(model).activation_bytes(BATCH * SEQ, seq_len=SEQ))
+    (tmp_path / "bagualu-telemetry.jsonl").write_text("an earlier run's line\n")
+    for telemetry, lines in (({}, M), ({"enabled": False}, None), ({"path": str(tmp_path / "a-file" / "events.jsonl")}, None)):
+        (tmp_path / "a-file").write_text("")  # a file where the path needs a directory
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            prov = apply(model, recipe.model_copy(update={"telemetry": Telemetry(**telemetry)}))
+            run_iteration(model, _batches(), prov.stage.schedule, prov)
+            prov.remove()
+        lost = [str(w.message) for w in said if "cannot write the telemetry" in str(w.message)]
+        assert len(lost) == (1 if "path" in telemetry else 0) and len(prov.events) == M
+        if lines is not None:
+            assert len((tmp_path / "bagualu-telemetry.jsonl").read_text().splitlines()) == lines
 
 
 def test_budget_below_m0_fails_before_training_with_numbers():

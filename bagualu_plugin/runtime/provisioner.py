@@ -481,8 +481,12 @@ class Provisioner:
         event.live_after_backward = live
         self.runtime.release(mb)
         if self.telemetry:
-            with self.telemetry.open("a") as f:
-                f.write(event.to_json() + "\n")
+            try:
+                with self.telemetry.open("a") as f:
+                    f.write(event.to_json() + "\n")
+            except OSError as exc:  # a full disk ends the file, not the training
+                _telemetry_lost(self.telemetry, exc)
+                self.telemetry = None
         return live
 
     def figures(self) -> dict[str, float]:
@@ -570,14 +574,27 @@ class Provisioner:
 
 def _telemetry_file(recipe: Recipe) -> Path | None:
     """This process's events file (`Telemetry.file`: one per rank where several run), begun
-    anew: a run's file holds that run's micro-batches only."""
+    anew: a run's file holds that run's micro-batches only. One that cannot be written (a
+    read-only working directory) is said, and the run goes on without it."""
     dist = torch.distributed
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
     path = recipe.telemetry.file(rank, world)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+        except OSError as exc:
+            _telemetry_lost(path, exc)
+            return None
     return path
+
+
+def _telemetry_lost(path: Path, exc: OSError) -> None:
+    warnings.warn(
+        f"bagualu: cannot write the telemetry to {path} ({exc.strerror or exc}): this run's events stay in memory only "
+        "(Provisioner.events); give the recipe a writable telemetry.path, or telemetry.enabled: false",
+        RuntimeWarning, stacklevel=3,
+    )
 
 
 def apply(model: nn.Module, recipe: Recipe | dict | str | os.PathLike[str] | None = None, cost: CostModel | None = None) -> Provisioner:
