@@ -1,13 +1,13 @@
 """The documentation: the MkDocs site builds strictly, and the code it shows is the package's.
 
 Guides show the tested examples (`examples/*.py`) by including the files (`--8<--`), so what they
-show is what CI runs. The short inline `python` blocks of `docs/**/*.md` and `README.md` cannot run
-here (they need checkpoints, GPUs, launchers), so each is checked against the package's source
-instead: it parses, and every name it takes from `bagualu_plugin` (an import, a `bgl.` attribute,
-a method of an imported class, a keyword argument of a package function or class) exists there,
-read statically, as griffe reads it for the API pages. A renamed function, a removed keyword or a
-typo in a snippet fails here, without importing torch. The README's two loops (the Trainer's and
-`bgl.apply`'s) also run as written, on CPU, on a tiny checkpoint.
+show is what CI runs. The short inline `python` blocks of `docs/**/*.md` and `README.md` are
+checked twice. Statically: each parses, and every name it takes from `bagualu_plugin` (an import, a
+`bgl.` attribute, a method of an imported class, a keyword argument of a package function or
+class) exists there, read as griffe reads it for the API pages, so a renamed function, a removed
+keyword or a typo names its block. And by running it as written, on CPU, given what its text takes
+as given (a tiny checkpoint saved where it loads one, a model, its batches): the README's two loops
+and every guide's inline example, but the one that needs 4 processes, which says why.
 """
 
 from __future__ import annotations
@@ -244,6 +244,7 @@ def test_readme_and_ci_agree():
         assert (ROOT / link).exists(), f"README.md links to {link}, which is not in the repository"
 
 
+@pytest.mark.filterwarnings("error:bagualu:RuntimeWarning")  # no op keeps other bytes than its cost model says
 def test_the_readmes_examples_run_as_written(tmp_path):
     """The README's two loops, verbatim, on CPU: TRL's SFTTrainer with LoRA and the callback on a
     tiny checkpoint saved as `ckpt` beside a `corpus.txt` (the working directory is the test's
@@ -261,11 +262,105 @@ def test_the_readmes_examples_run_as_written(tmp_path):
     assert done["callback"].provisioner.forwards > 0 and (tmp_path / "out" / "bagualu-telemetry.jsonl").read_text()
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe").train()
-    batches = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (3, 2, 16))]
+    batches = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(0, 128, (2, 16)) for _ in range(3))]
     done = {"model": model, "batches": batches, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3)}
     exec(compile(loop_example, "README.md", "exec"), done)
     assert len(done["prov"].events) == len(batches) and (tmp_path / "bagualu-telemetry.jsonl").read_text()
     done["prov"].remove()
+
+
+def _checkpoint(where: Path, family: str = "qwen3_moe", **config) -> None:
+    from bagualu_plugin.adapters.tiny import save_tiny, tiny_tokenizer
+
+    save_tiny(family, where, **config)
+    tiny_tokenizer().save_pretrained(where)
+
+
+def _corpus(where: Path) -> None:
+    where.write_text("\n".join(f"document {i}: " + "tokens of a short text " * (1 + i % 5) for i in range(16)))
+
+
+def _loop(tmp_path: Path) -> dict:
+    """What a plain loop's example takes as given: a model in training, its micro-batches, an optimizer."""
+    import torch
+
+    from bagualu_plugin.adapters.tiny import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe").train()
+    ids = [torch.randint(0, 128, (2, 16)) for _ in range(3)]  # each its own storage, as a data loader's
+    return {"model": model, "ids": ids[0], "batches": [{"input_ids": i, "labels": i} for i in ids],
+            "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3)}
+
+
+def _accelerate(tmp_path: Path) -> dict:
+    from accelerate import Accelerator
+
+    given = _loop(tmp_path)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    return {**given, "batches": [b["input_ids"] for b in given["batches"]], "accelerator": accelerator}
+
+
+def _pipeline(tmp_path: Path) -> dict:
+    """A recipe file for the model (one stage, 3 micro-batches of 2 x 16 tokens) and two iterations of data."""
+    import torch
+    import yaml
+    from helpers import tiny_recipe
+
+    given = _loop(tmp_path)
+    recipe = tiny_recipe(given["model"], seq_len=16, micro_batch_size=2, capacity=4, pipeline={"pp": 1, "micro_batches": 3}, as_dict=True)
+    (tmp_path / "my-recipe.yaml").write_text(yaml.safe_dump(recipe))
+    return {"model": given["model"], "data": [[torch.randint(0, 128, (2, 16)) for _ in range(3)] for _ in range(2)]}
+
+
+def _trainer(tmp_path: Path) -> dict:
+    _checkpoint(tmp_path / "ckpt")
+    _corpus(tmp_path / "corpus.txt")
+    return {}
+
+
+def _profiled(tmp_path: Path) -> dict:
+    _checkpoint(tmp_path / "tiny-qwen3", num_hidden_layers=3)  # its layers 1 and 2 are MoE: two routed counts
+    return {}
+
+
+def _fixed_plan(tmp_path: Path) -> dict:
+    from bagualu_plugin.adapters.tiny import tiny_model
+
+    return {**_loop(tmp_path), "model": tiny_model("qwen3_moe", num_hidden_layers=3).train()}
+
+
+# Every inline `python` block of the docs, by (page, its n-th inline block): what it takes as given
+# (the working directory is the test's own), or why it cannot run in one CPU process.
+INLINE = {
+    ("docs/concepts/cost-model.md", 0): lambda tmp: {"model": _loop(tmp)["model"]},
+    ("docs/guides/accelerate.md", 0): _accelerate,
+    ("docs/guides/adaptive-loop.md", 0): _loop,
+    ("docs/guides/adaptive-loop.md", 1): _pipeline,
+    ("docs/guides/fixed-plans.md", 0): _fixed_plan,
+    ("docs/guides/profiling.md", 0): _profiled,
+    ("docs/guides/trainer.md", 0): _trainer,
+    ("docs/guides/expert-parallelism.md", 0): "4 processes under torchrun: tests/test_expert_parallel.py runs its calls over gloo",
+}
+
+
+def _inline(page: str) -> list[str]:
+    return [m["body"] for m in FENCE.finditer((ROOT / page).read_text()) if not INCLUDE.search(m["body"])]
+
+
+def test_every_inline_block_of_the_docs_is_run_or_says_why_not():
+    pages = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").rglob("*.md"))]
+    found = {(page, n) for page in pages for n, _ in enumerate(_inline(page))}
+    assert found == set(INLINE)
+
+
+@pytest.mark.filterwarnings("error:bagualu:RuntimeWarning")
+@pytest.mark.parametrize("page, n", [key for key, given in INLINE.items() if callable(given)], ids=lambda v: str(v))
+def test_an_inline_example_of_the_docs_runs_as_written(page, n, tmp_path):
+    """Each guide's inline example, verbatim, on CPU, given what its text says it takes."""
+    done = INLINE[(page, n)](tmp_path)
+    exec(compile(_inline(page)[n], page, "exec"), done)
+    assert "prov" not in done or done["prov"].forwards > 0  # a loop's micro-batches were provisioned
 
 
 @pytest.mark.multiprocess
