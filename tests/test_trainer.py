@@ -312,7 +312,7 @@ def test_two_nodes_train_as_one(checkpoints):
 
 
 USER_SCRIPT = """
-import sys, time
+import os, sys, time
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
@@ -326,7 +326,8 @@ args = SFTConfig(output_dir=out, per_device_train_batch_size=2, gradient_accumul
                  gradient_checkpointing=False, use_cpu=True, report_to=[], save_strategy="no", bf16=False)
 recipe = {"hardware": {"capacity_bytes": 8_000_000}, **({"parallel": {"ep": ep}} if ep > 1 else {})}
 SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[BagualuCallback(recipe)]).train()
-print("TRAINED", time.time(), flush=True)
+with open(f"{out}/trained-{os.environ['RANK']}", "w") as f:  # a file per process: their stdout lines interleave
+    f.write(repr(time.time()))
 """
 ABORT = "terminate called without an active exception"  # torch's gloo teardown at exit: benchmarks/gloo_exit.py
 
@@ -338,13 +339,11 @@ def test_a_users_script_ends_by_itself(checkpoints, ep):
     `accelerate launch` on 2 processes: it exits within 30 s of training's end. The one failure
     allowed is torch's own abort at the interpreter's exit, which the same job without the plugin
     or the Trainer shows too (`benchmarks/gloo_exit.py`); never a hang."""
-    script = checkpoints["corpus"].parent / "user_sft.py"
+    script, out = checkpoints["corpus"].parent / "user_sft.py", checkpoints["corpus"].parent / f"user-{ep}"
     script.write_text(USER_SCRIPT)
-    done = _accelerate_launch(
-        script, str(checkpoints["qwen3_moe"]), str(checkpoints["corpus"]), str(checkpoints["corpus"].parent / f"user-{ep}"), str(ep)
-    )
+    done = _accelerate_launch(script, str(checkpoints["qwen3_moe"]), str(checkpoints["corpus"]), str(out), str(ep))
     ended = time.time()
-    trained = [float(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("TRAINED")]
+    trained = [float(path.read_text()) for path in sorted(out.glob("trained-*"))]
     assert len(trained) == 2, done.stderr[-3000:]
     assert ended - max(trained) < 30
     assert done.returncode == 0 or ABORT in done.stderr, done.stderr[-3000:]
