@@ -67,10 +67,10 @@ def prepare_model(model: nn.Module, recipe: PartialRecipe, accelerator) -> Recip
         problems.append(f"parallel.dp={par.dp}, but Accelerate runs {n} processes: they must be equal")
     if par.ep not in (1, n):
         problems.append(f"parallel.ep={par.ep}: expert parallelism runs over all {n} processes or none (1)")
-    elif par.ep > 1 and engine(accelerator.state) is not None:
+    elif par.ep > 1 and (sharding := engine(accelerator.state)) is not None:
         problems.append(
             f"parallel.ep={par.ep}: expert parallelism runs inside DistributedDataParallel, but Accelerate runs "
-            f"{engine(accelerator.state)}, which shards the experts itself; drop parallel.ep"
+            f"{sharding}, which shards the experts itself; drop parallel.ep"
         )
     if problems:
         raise ValueError("bagualu accelerate: " + "; ".join(problems))

@@ -76,9 +76,10 @@ def engine(state: Any) -> str | None:
 
 def engine_budget(state: Any) -> dict[str, bool]:
     """The `budget` fields of the sharding engine accelerate runs (`engine`); {} for none."""
-    if engine(state) == "fsdp":
+    name = engine(state)
+    if name == "fsdp":
         return fsdp_budget(state.fsdp_plugin)
-    if engine(state) == "deepspeed":
+    if name == "deepspeed":
         return zero_budget(state.deepspeed_plugin.deepspeed_config)
     return {}
 

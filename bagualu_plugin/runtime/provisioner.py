@@ -447,12 +447,12 @@ class Provisioner:
         cost = self.decider.costs[f.kind]
         e.mitigated = cost.mitigated(e.tokens, gate_pairs(cost, e.routed), e.seq_len, f.decided.plan, self.stage.options)
         self._calibrate(f)
-        f.event.peak_device_bytes = self.peak_device_bytes
-        f.event.device_bytes = self.stage.static_bytes + self.ledger.live_device_bytes
-        self.events.append(f.event)
+        e.peak_device_bytes = self.peak_device_bytes
+        e.device_bytes = self.stage.static_bytes + self.ledger.live_device_bytes
+        self.events.append(e)
         self.forwards += 1
-        self.planner_s += f.event.planner_s
-        self._awaiting_backward[mb] = f.event
+        self.planner_s += e.planner_s
+        self._awaiting_backward[mb] = e
         return actual
 
     def _calibrate(self, f: _Forward) -> None:

@@ -243,6 +243,7 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
         stages.register_forward_pre_hook(next_forward)
 
     batches = micro_batches(config, config.model.init_method.path, model.config.vocab_size, ep_rank * par.dp + dp_rank, sync.replicas)
+    writer = LoggerWriter(global_step=tokens.train_steps)  # nanotron's own log line, "iteration: i / n | ..."
     metrics = config.bagualu.metrics_path if config.bagualu is not None else None
     out = None
     if metrics and rank == 0:
@@ -277,7 +278,7 @@ def train(config: Config, device: torch.device, timeout: timedelta) -> None:
                     out.flush()
                 if prov is not None:
                     figures = [LogItem(k, v, "human_format" if k.endswith("bytes") else None) for k, v in prov.figures().items()]
-                    LoggerWriter(tokens.train_steps).add_scalars_from_list(figures, iteration + 1)
+                    writer.add_scalars_from_list(figures, iteration + 1)
                 collector.step()
     finally:
         if out is not None:
