@@ -530,3 +530,17 @@ def test_routing_skew_rewrite_keeps_each_token_on_distinct_experts(ep_size, top_
         assert bool(((new[moved] >= local.start) & (new[moved] < local.stop)).all())
         distinct = torch.sort(new, dim=1).values.diff(dim=1).ne(0).all(dim=1)
         assert bool(distinct.all()) == (len(local) >= top_k)
+
+
+def test_a_provisioners_gate_takes_the_local_pairs_without_counting_them():
+    """`per_expert=False` (the Provisioner's monitor): in one process every expert is local, so the
+    pairs are the router's top-k slots, read without a kernel or a host synchronisation."""
+    model = model_of("qwen3_moe", IMPLEMENTATION)
+    calls = []
+    monitor = GateMonitor(model, on_gate=lambda i, c, s: calls.append((c, s)), per_expert=False).install()
+    model(input_ids=batch())
+    assert calls == [(None, batch().numel() * K)] * len(moe_layers(model))
+    assert monitor.local_pairs() == {layer.index: batch().numel() * K for layer in moe_layers(model)}
+    with pytest.raises(KeyError, match="no per-expert counts"):
+        monitor.counts(moe_layers(model)[0].index)
+    monitor.remove()

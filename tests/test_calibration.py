@@ -68,3 +68,64 @@ def test_an_op_that_saves_more_than_its_cost_model_is_named_once_and_planned_for
     assert all(e.misses == [] for e in events[1:])  # planned, and kept, on the bytes measured
     corrected = prov.decider.costs[ForwardKind()]
     assert corrected.activation_bytes(BATCH * SEQ, seq_len=SEQ) == cm.activation_bytes(BATCH * SEQ, seq_len=SEQ) + extra
+
+
+def _sliced_loop(lora: bool) -> tuple[list, int, int]:
+    """A plain loop over micro-batches sliced from one batch tensor (`for ids in batch`), at a
+    capacity that forces plans, every bagualu warning an error: (events, peak, capacity)."""
+    model = tiny_model("qwen3_moe", num_hidden_layers=3)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    cm = model_cost(model)
+    capacity = int(0.6 * cm.activation_bytes(BATCH * SEQ, seq_len=SEQ))
+    prov = bgl.apply(model, {"hardware": {"capacity_bytes": capacity}, "budget": {"non_activation_bytes": 0}, "strategies": EXACT,
+                             "pipeline": {"micro_batches": MICRO_BATCHES}})
+    batch = torch.randint(0, 128, (MICRO_BATCHES, BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="bagualu", category=RuntimeWarning)
+            for ids in batch:  # views: each keeps the whole batch's storage
+                model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        prov.remove()
+    return list(prov.events), prov.peak_device_bytes, capacity
+
+
+def test_micro_batches_sliced_from_one_tensor_are_planned_with_the_whole_tensor_their_ids_keep():
+    events, peak, capacity = _sliced_loop(lora=False)
+    whole = MICRO_BATCHES * BATCH * SEQ * 8  # the batch's int64 ids, which the embedding's saved view keeps
+    assert [e.ids_view_bytes for e in events] == [whole - BATCH * SEQ * 8] * MICRO_BATCHES
+    assert any(e.plan for e in events) and all(e.misses == [] for e in events)  # priced, not a cost-model miss
+    assert peak <= capacity
+
+
+def test_a_frozen_embedding_keeps_no_ids_so_a_sliced_micro_batch_keeps_nothing_more():
+    events, peak, capacity = _sliced_loop(lora=True)
+    assert [e.ids_view_bytes for e in events] == [0] * MICRO_BATCHES
+    assert all(e.misses == [] for e in events) and peak <= capacity
+
+
+def test_a_held_graph_of_an_abandoned_forward_is_no_later_micro_batchs():
+    """A forward whose output never goes backward, kept by the caller: its saves stay counted (as
+    held memory), not as the next micro-batch's of the same index, which would otherwise be
+    reported as a miss and its cost model 'corrected' to twice its size."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", num_hidden_layers=2)
+    cm = model_cost(model)
+    prov = bgl.apply(model, {"hardware": {"capacity_bytes": 10**9}, "budget": {"non_activation_bytes": 0}})
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="bagualu", category=RuntimeWarning)
+            ids = torch.randint(0, 128, (BATCH, SEQ))
+            held = model(input_ids=ids, labels=ids.clone())  # abandoned at the next forward, kept alive here
+            ids = torch.randint(0, 128, (BATCH, SEQ))
+            model(input_ids=ids, labels=ids.clone()).loss.backward()
+    finally:
+        prov.remove()
+    (event,) = prov.events
+    assert event.misses == [] and event.actual == cm.activation_bytes(BATCH * SEQ, seq_len=SEQ)
+    assert prov.decider.costs[ForwardKind()].activation_bytes(BATCH * SEQ, seq_len=SEQ) == event.actual  # not 'corrected'
+    assert prov.ledger.live_device_bytes > 0  # the held graph, still counted
+    del held

@@ -14,6 +14,7 @@ import bagualu_plugin as bgl
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.costmodel import OpId
 from bagualu_plugin.costmodel.plan import Plan
+from bagualu_plugin.runtime.driver import run_iteration
 from bagualu_plugin.runtime.plan_runtime import PlanRuntime
 
 IDS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -226,5 +227,28 @@ def test_a_compiled_training_forward_is_refused_by_name_and_the_model_trains_on_
         torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids)
     torch._dynamo.reset()
     model(input_ids=ids, labels=ids).loss.backward()
+    assert [bool(e.plan) for e in prov.events] == [True] and prov.peak_device_bytes <= prov.stage.capacity
+    prov.remove()
+
+
+@pytest.mark.parametrize("path", ["micro_batch", "driver"])
+def test_a_compiled_forward_is_refused_where_the_caller_marks_the_micro_batches(path):
+    """The same refusal where the plugin does not find the forward's end on the model: inside
+    `prov.micro_batch()` and in the 1F1B driver; the micro-batch is dropped and the next trains."""
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe", num_hidden_layers=2)
+    recipe = tiny_recipe(model, seq_len=16, micro_batch_size=2, capacity=0.7, pipeline={"pp": 1, "micro_batches": 1},
+                         strategies={"allowed": ["recompute", "offload"]})
+    prov = bgl.apply(model, recipe)
+    ids = torch.randint(0, 128, (2, 16))
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="ran under torch.compile.*train the model uncompiled with the plugin"):
+        if path == "micro_batch":
+            with prov.micro_batch(ids):
+                compiled(input_ids=ids, labels=ids).loss.backward()
+        else:
+            run_iteration(compiled, [ids], prov.stage.schedule, prov)
+    torch._dynamo.reset()
+    run_iteration(model, [ids], prov.stage.schedule, prov)
     assert [bool(e.plan) for e in prov.events] == [True] and prov.peak_device_bytes <= prov.stage.capacity
     prov.remove()

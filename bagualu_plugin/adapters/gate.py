@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from .adapter import GATE_ATTR, Adapter, Layer, is_inside_backward
 from .experts import local_expert_range
 
-OnGate = Callable[[int, torch.Tensor, torch.Tensor], None]
+OnGate = Callable[[int, torch.Tensor | None, torch.Tensor | int], None]
 
 
 def _adapter(model_or_adapter) -> Adapter:
@@ -47,8 +47,12 @@ def _router_output(layer: Layer, output) -> tuple[torch.Tensor, torch.Tensor, to
 
 def tokens_per_expert(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
     """(E,) int64 count of routed pairs per expert; sentinel ids (< 0 or >= E) are not counted.
-    A scatter-add, not `torch.bincount`, so it never synchronises with the host."""
-    ids = top_k_index.reshape(-1).long()
+    On a GPU a scatter-add, not `torch.bincount`, so it never synchronises with the host; on the
+    CPU, where nothing waits, one `bincount` (a third of the kernel launches: this runs at every gate)."""
+    ids = top_k_index.reshape(-1)
+    if ids.is_cpu:  # sentinels to bins 0 and E + 1, dropped
+        return torch.bincount(ids.clamp(-1, num_experts) + 1, minlength=num_experts + 2)[1:-1]
+    ids = ids.long()
     ids = torch.where((ids >= 0) & (ids < num_experts), ids, num_experts)  # sentinels -> bin E, dropped
     counts = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
     return counts.scatter_add_(0, ids, torch.ones_like(ids))[:num_experts]
@@ -86,9 +90,13 @@ class _RouterHooks:
 class GateMonitor(_RouterHooks):
     """Per-MoE-layer routed counts, recorded at gate time as device tensors.
 
-    on_gate(layer_index, tokens_per_expert, local_pairs (0-dim)) is called in forward only: in
-    one process with the (E,) counts of the layer's routing, all of them local; under expert
-    parallelism with the (E/ep,) pairs each local expert received from all ranks, and their sum.
+    on_gate(layer_index, tokens_per_expert, local_pairs) is called in forward only: in one
+    process with the (E,) counts of the layer's routing, all of them local, and their sum (0-dim);
+    under expert parallelism with the (E/ep,) pairs each local expert received from all ranks, and
+    their sum. `per_expert=False` (the Provisioner's, which decides on the local pairs alone): in
+    one process no counts (None) and the pairs as an int, the router's top-k slots, which every
+    expert here receives: no kernel and no host synchronisation at the gate (transformers' own
+    expert parallelism, which marks other ranks' pairs with sentinels, still counts them).
     When a checkpoint re-runs a layer during backward the routing is known already, so the hook
     neither calls on_gate nor overwrites the records (decisions are never taken twice). While
     `active` is False the installed hooks return at once (a Provisioner installs the monitor once
@@ -96,14 +104,15 @@ class GateMonitor(_RouterHooks):
 
     active = True
 
-    def __init__(self, adapter, on_gate: OnGate | None = None):
+    def __init__(self, adapter, on_gate: OnGate | None = None, *, per_expert: bool = True):
         if on_gate is not None and not callable(on_gate):
             raise ValueError(f"on_gate must be callable or None, got {on_gate!r}")
         adapter = _adapter(adapter)
         super().__init__(adapter, [layer for layer in adapter.layers if layer.moe])
         self.on_gate = on_gate
-        self._counts: dict[int, torch.Tensor] = {}
-        self._local: dict[int, torch.Tensor] = {}
+        self.per_expert = per_expert
+        self._counts: dict[int, torch.Tensor | None] = {}
+        self._local: dict[int, torch.Tensor | int] = {}
 
     def install(self):
         super().install()
@@ -121,10 +130,14 @@ class GateMonitor(_RouterHooks):
     def _hook(self, layer: Layer, module: nn.Module, args, output) -> None:
         if not self.active or is_inside_backward() or layer.expert_parallel:
             return
-        counts = tokens_per_expert(_router_output(layer, output)[2], self.adapter.num_experts)
+        index = _router_output(layer, output)[2]
+        if not self.per_expert and not getattr(layer.experts, "_is_expert_parallel", False):
+            self._record(layer, None, index.numel())
+            return
+        counts = tokens_per_expert(index, self.adapter.num_experts)
         self._record(layer, counts, counts.sum())
 
-    def _record(self, layer: Layer, counts: torch.Tensor, local_pairs: torch.Tensor) -> None:
+    def _record(self, layer: Layer, counts: torch.Tensor | None, local_pairs: torch.Tensor | int) -> None:
         if not self.active:
             return
         self._counts[layer.index] = counts
@@ -135,21 +148,21 @@ class GateMonitor(_RouterHooks):
     def counts(self, layer: int) -> torch.Tensor:
         """What MoE layer `layer`'s experts received in the last forward (a device tensor): (E,) per
     expert, or (E/ep,) per local expert under expert parallelism."""
-        if layer not in self._counts:
+        if self._counts.get(layer) is None:
             recorded = sorted(self._counts) or "none yet"
+            if layer in self._counts:
+                raise KeyError(f"layer {layer}: this monitor keeps no per-expert counts (per_expert=False)")
             raise KeyError(f"no routing recorded for layer {layer}; recorded layers: {recorded}")
         return self._counts[layer]
 
     def local_pairs(self) -> dict[int, int]:
         """{layer: routed pairs on this rank's experts} for the recorded layers (one host sync)."""
-        if not self._local:
-            return {}
-        tensors = list(self._local.values())
-        if len({t.device for t in tensors}) == 1:
-            values = torch.stack(tensors).tolist()
+        tensors = {i: t for i, t in self._local.items() if isinstance(t, torch.Tensor)}
+        if len({t.device for t in tensors.values()}) == 1:
+            synced = dict(zip(tensors, torch.stack(list(tensors.values())).tolist()))
         else:  # layers on several devices (e.g. pipeline stages in one process): one sync each
-            values = [int(t) for t in tensors]
-        return dict(zip(self._local, values))
+            synced = {i: int(t) for i, t in tensors.items()}
+        return {i: synced[i] if i in synced else n for i, n in self._local.items()}
 
     def reset(self) -> None:
         self._counts.clear()

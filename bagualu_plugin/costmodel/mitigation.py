@@ -26,9 +26,11 @@ the first holder in program order that offloads or quantises decides the form fo
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from functools import wraps
+from types import MappingProxyType
+from typing import Literal, TypeVar
 
 from ..hardware import HardwareSpec
 from .graph import BlockGraph, OpSpec, TensorSpec
@@ -38,6 +40,31 @@ from .roofline import cast_kernel, fp8_stored_bytes, offload_copy
 Strategy = Literal["keep", "recompute", "offload", "fp8"]
 STRATEGIES: tuple[str, ...] = Strategy.__args__
 MITIGATIONS: tuple[str, ...] = STRATEGIES[1:]
+
+
+_R = TypeVar("_R")
+_MEMO_ENTRIES = 4096  # per function; emptied when full
+
+
+def _memoised(fn: Callable[..., _R]) -> Callable[..., _R]:
+    """`fn(block, plan, load, ...)` remembered per block object: a pure function of its arguments,
+    asked the same questions every micro-batch (the calibration after each forward, the gates'
+    expected bytes, the planner). The entry holds its block, so no other block can take its id."""
+    memo: dict[tuple, tuple[BlockGraph, _R]] = {}
+
+    @wraps(fn)
+    def remembered(block: BlockGraph, plan: Mapping[str, str], load: Load, *rest):
+        key = (id(block), frozenset(plan.items()), load, *rest)
+        hit = memo.get(key)
+        if hit is not None and hit[0] is block:
+            return hit[1]
+        result = fn(block, plan, load, *rest)
+        if len(memo) >= _MEMO_ENTRIES:
+            memo.clear()
+        memo[key] = (block, result)
+        return result
+
+    return remembered
 
 
 @dataclass(frozen=True)
@@ -209,6 +236,7 @@ def _regions(block: BlockGraph, plan: Mapping[str, str], chunked: bool, tensors:
     return region_of, held, replayed
 
 
+@_memoised
 def footprint(
     block: BlockGraph,
     plan: Mapping[str, str],
@@ -256,12 +284,18 @@ def footprint(
 
 def device_bytes_by_op(
     block: BlockGraph, plan: Mapping[str, str], load: Load, options: MitigationOptions = MitigationOptions()
-) -> dict[str, float]:
+) -> Mapping[str, float]:
     """`footprint`'s device bytes of `block` per op, charged as the Ledger charges a storage: to
     the op that first puts it on the device in program order (the first saver that keeps it, or
     the first of a region that holds it as input; the first quantising saver for an fp8 copy;
     the table's maker for the tables every layer receives). What the regions of later blocks
-    hold of the layer arguments is not included (`CostModel.device_bytes_by_op` adds it)."""
+    hold of the layer arguments is not included (`CostModel.device_bytes_by_op` adds it).
+    Remembered: read it, never change it."""
+    return MappingProxyType(_device_bytes_by_op(block, plan, load, options))
+
+
+@_memoised
+def _device_bytes_by_op(block: BlockGraph, plan: Mapping[str, str], load: Load, options: MitigationOptions) -> dict[str, float]:
     _check_plan(block, plan)
     chunked = _chunked(block, options)
     tensors = block.path_tensors(chunked)

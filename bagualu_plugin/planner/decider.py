@@ -197,11 +197,14 @@ class Decider:
         return Foresight(self.band(key, tokens, seq_len), routed)
 
     def begin(
-        self, k: int, tokens: int, seq_len: int | None, key: Hashable = None, foresight: Foresight | None = None
+        self, k: int, tokens: int, seq_len: int | None, key: Hashable = None, foresight: Foresight | None = None,
+        held: int = 0,
     ) -> Forward:
         """Forward k's budget and its plan for the normal band, for `tokens` tokens of `key`; with
-        `foresight` (`foresee`'s, for the same micro-batch), its plan for the routing known."""
-        budget = self.budgets.budget(k)
+        `foresight` (`foresee`'s, for the same micro-batch), its plan for the routing known.
+        `held`: bytes the forward keeps beyond its cost model whatever the plan (token ids that
+        are a view of a larger tensor): the plan fits what the budget leaves."""
+        budget = self.budgets.budget(k) - held
         band = self._bands.get((key, tokens, seq_len)) or self.band(key, tokens, seq_len)
         if foresight is None:
             gates, slack = plan_for_gates(band.plan, band.gates.__getitem__, budget, band.planned, band.heaviest)

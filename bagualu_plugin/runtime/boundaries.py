@@ -59,7 +59,7 @@ class Boundaries:
             return
         tokens, seq_len = _shape(model, args, kwargs)
         self._fresh()
-        prov.begin_forward(self.index, tokens, seq_len, kind=forward_kind(kwargs))
+        prov.begin_forward(self.index, tokens, seq_len, kind=forward_kind(kwargs), ids=_ids(args, kwargs))
         self._began = self.index
 
     def _autocast(self, decoder: nn.Module, args: tuple) -> None:
@@ -90,13 +90,9 @@ class Boundaries:
         if output is None or not roots:
             self._drop()
             return
-        if any(type(fn).__name__ == COMPILED for fn in roots):  # before its backward replays anything
+        if compiled(output):  # before its backward replays anything
             self._drop()
-            raise RuntimeError(
-                "bagualu: the model's training forward ran under torch.compile, whose graphs take in the plugin's op "
-                "scopes and recompute regions and save what their own partitioner chooses, not what the plan says: "
-                "train the model uncompiled with the plugin, or compile it without the plugin"
-            )
+            raise RuntimeError(UNCOMPILED)
         self._prov.end_forward(mb)
         token = self._awaited = object()
         queued = []
@@ -134,12 +130,14 @@ class Boundaries:
         prov = self._prov
         self._fresh()
         mb = self.index
-        prov.begin_forward(mb, input_ids.numel(), input_ids.shape[-1], kind=forward_kind({"attention_mask": attention_mask}))
+        prov.begin_forward(mb, input_ids.numel(), input_ids.shape[-1], kind=forward_kind({"attention_mask": attention_mask}), ids=input_ids)
         forwards = []
 
-        def ended(*_):
+        def ended(_model, _args, output):
             if forwards:
                 raise ValueError(f"micro_batch({mb}): the model ran a second forward inside one micro-batch")
+            if torch.compiler.is_compiling() or compiled(output):  # traced, or the graph it made
+                raise RuntimeError(UNCOMPILED)  # the block drops the micro-batch
             forwards.append(prov.end_forward(mb))
 
         hook = prov.runtime.adapter.model.register_forward_hook(ended)
@@ -169,10 +167,16 @@ def _trainable(model: nn.Module) -> bool:
     return any(p.requires_grad for p in model.parameters())
 
 
+def _ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A forward's (batch, sequence) `input_ids`, if it was given them."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    return ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
+
+
 def _shape(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
     """(tokens, sequence length) of a forward's `input_ids`, or of its `inputs_embeds`."""
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+    ids = _ids(args, kwargs)
+    if ids is not None:
         return ids.numel(), ids.shape[-1]
     embeds = kwargs.get("inputs_embeds")
     if isinstance(embeds, torch.Tensor) and embeds.dim() == 3:
@@ -210,6 +214,18 @@ def forward_kind(kwargs: dict) -> ForwardKind:
 
 
 COMPILED = "CompiledFunctionBackward"  # the autograd node of a graph torch.compile made (AOTAutograd's)
+UNCOMPILED = (
+    "bagualu: the model's training forward ran under torch.compile, whose graphs take in the plugin's op scopes and "
+    "recompute regions and save what their own partitioner chooses, not what the plan says: train the model "
+    "uncompiled with the plugin, or compile it without the plugin"
+)
+
+
+def compiled(output) -> bool:
+    """Whether torch.compile made the graph of a forward that returned `output`: it is refused at
+    the forward's end (`UNCOMPILED`), before any replay, wherever the plugin finds that end (the
+    model's hook, `micro_batch()`, the 1F1B driver)."""
+    return any(type(fn).__name__ == COMPILED for fn in _grad_fns(output))
 
 
 def _grad_fns(output) -> list:

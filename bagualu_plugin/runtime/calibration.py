@@ -40,6 +40,9 @@ class Miss:
     predicted: int
 
 
+EMBED = OpId(-1, "embed")
+
+
 def gate_pairs(cm: CostModel, routed: Mapping[int, float]) -> list[float] | None:
     """A forward's routed pairs as `cm` takes them, one per MoE layer; None (top-k per token)
     where a gate did not report (no MoE layer, or its forward raised before)."""
@@ -56,15 +59,18 @@ class Calibration:
 
     def check(
         self, kind: object, cm: CostModel, measured: Mapping[object, int], tokens: int, routed: Mapping[int, float],
-        seq_len: int, plan: Plan, options: MitigationOptions,
+        seq_len: int, plan: Plan, options: MitigationOptions, ids_view_bytes: int = 0,
     ) -> tuple[list[Miss], CostModel]:
         """The misses of one forward of `kind` (its bytes per op `measured`, its gates' `routed`),
-        and `cm` corrected where it kept more (`cm` itself otherwise). The forward's total decides:
+        and `cm` corrected where it kept more (`cm` itself otherwise). `ids_view_bytes`: what its
+        token ids keep beyond themselves (`Provisioner._ids_view_bytes`), the embedding's. The forward's total decides:
         where two ops save one storage it may be charged to either, and what the layers receive
         (masks, position ids, the loss's token count) is charged to the embedding whichever block
         saves it first. A total that differs names the ops of the blocks that differ, and an
         excess goes to the op that kept the most beyond its prediction."""
         predicted = {op: round(n) for op, n in cm.device_bytes_by_op(tokens, gate_pairs(cm, routed), seq_len, plan, options).items()}
+        if ids_view_bytes:
+            predicted[EMBED] = predicted.get(EMBED, 0) + ids_view_bytes
         excess = sum(measured.values()) - sum(predicted.values())
         if not excess:
             return [], cm

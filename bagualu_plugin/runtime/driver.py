@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..costmodel.pipeline import Step, fused_points
+from .boundaries import UNCOMPILED, compiled
 from .dual_batch import DualBatchExecutor, StagePieces
 from .provisioner import Provisioner
 
@@ -57,12 +58,14 @@ def _plain(model, batches, schedule, provisioner, around) -> list[torch.Tensor]:
         with around(step) if around else nullcontext():
             if step.kind == "F":
                 if provisioner:
-                    provisioner.begin_forward(mb, ids.numel(), ids.shape[-1], phase=step.phase, in_flight=len(awaiting))
-                try:
-                    awaiting[mb] = model(input_ids=ids, labels=ids).loss
-                finally:
-                    if provisioner:
-                        provisioner.end_forward(mb)
+                    provisioner.begin_forward(mb, ids.numel(), ids.shape[-1], phase=step.phase, in_flight=len(awaiting), ids=ids)
+                output = model(input_ids=ids, labels=ids)  # one that raises is abandoned (run_iteration)
+                if provisioner:
+                    if compiled(output):
+                        raise RuntimeError(UNCOMPILED)
+                    provisioner.end_forward(mb)
+                awaiting[mb] = output.loss
+                del output
             else:
                 loss = awaiting.pop(mb)
                 loss.backward()

@@ -253,7 +253,7 @@ class DualBatchExecutor:
         if self.provisioner:
             tokens, seq_len = (value.numel(), value.shape[-1]) if self.stage.first else (value.shape[0] * value.shape[1], value.shape[1])
             with self.around("F", mb):
-                flight.event = self.provisioner.begin_forward(mb, tokens, seq_len, **engine)
+                flight.event = self.provisioner.begin_forward(mb, tokens, seq_len, ids=value if self.stage.first else None, **engine)
             flight.plan = self.provisioner.runtime.plan
         self._flights[mb] = flight
 

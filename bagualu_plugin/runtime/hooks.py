@@ -2,11 +2,11 @@
 offloaded or quantised as the plan says for the op running when it is saved.
 
 One storage has one form, whoever saves it: savers share a host copy or a quantised payload, and
-when one saver keeps the storage on the device every other saver uses that copy, so mitigation
-never leaves two copies (the conflicts of §V-A cost nothing but save nothing; `find_conflicts`
-reports them so a planner can avoid them). Offloaded copies are grouped per op, so that restoring
-an op's first copy in backward prefetches the copies of the op before it; the chain of groups
-starts again with each forward (micro-batch ids repeat every iteration).
+when one saver keeps the storage on the device (the Ledger holds it there) every other saver uses
+that copy, so mitigation never leaves two copies (the conflicts of §V-A cost nothing but save
+nothing; `find_conflicts` reports them so a planner can avoid them). Offloaded copies are grouped
+per op, so that restoring an op's first copy in backward prefetches the copies of the op before
+it; the chain of groups starts again with each forward (micro-batch ids repeat every iteration).
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ class SavedTensorHooks:
     ):
         self.plan, self.ledger, self.current_op, self.options, self.pool = plan, ledger, current_op, options, pool
         self._last_offload: dict[int | None, _Offloads] = {}  # per micro-batch: its latest op's host copies
-        # live storages this plan has packed: (form, a weak reference to their Stored, or None,
-        # the owner's weak reference); the savers' packs hold the Stored, so a storage that
-        # outlives its micro-batch's backward (a cached position index) does not keep its copy
+        # live storages offloaded or quantised, and the layers' shared arguments (kept): (form, a
+        # weak reference to their Stored, or None, the owner's weak reference). The savers' packs
+        # hold the Stored, so a storage that outlives its micro-batch's backward (a cached position
+        # index) does not keep its copy. Storages kept as they are need no entry: the Ledger has them.
         self._forms: dict[StorageKey, tuple[str, weakref.ref | None, weakref.ref]] = {}
 
     def new_forward(self, *_) -> None:
@@ -90,7 +91,7 @@ class SavedTensorHooks:
         op = self.current_op()
         strategy = self.plan.strategy(op) if op is not None else "keep"
         found = _storage(tensor)
-        if found is None or strategy in ("keep", "recompute") or self.ledger.excludes(tensor):
+        if found is None or strategy in ("keep", "recompute") or self.ledger.is_static(found[0]):
             return self._keep(tensor, found)  # recompute: a held region input; parameters stay
         key, nbytes = found
         if strategy == "offload" and nbytes < self.options.offload_min_bytes:
@@ -99,7 +100,7 @@ class SavedTensorHooks:
             return self._keep(tensor, found)
         form, stored = self._form(key)
         if form == "keep":  # another saver keeps it on the device: share that copy
-            return "keep", self.ledger.pack(tensor)
+            return "keep", self.ledger.pack(tensor, found)
         if stored is None:
             flat = whole_storage(tensor)
             if strategy == "offload":
@@ -126,18 +127,21 @@ class SavedTensorHooks:
         return copy
 
     def _keep(self, tensor: torch.Tensor, found):
-        packed = self.ledger.pack(tensor)
-        if found is not None:
-            key = found[0]
-            form, stored = self._form(key)
-            if isinstance(stored, Stored) and stored.on_device is None:
+        """Keep `tensor` on the device; a copy an earlier saver made of it goes (the path of every
+        save where nothing is mitigated: one dictionary read beyond the Ledger's count)."""
+        packed = self.ledger.pack(tensor, found)
+        remembered = self._forms.get(found[0]) if found is not None and self._forms else None
+        if remembered is not None and remembered[1] is not None:
+            stored = remembered[1]()
+            if stored is not None and stored.on_device is None:
                 stored.drop(whole_storage(tensor))  # a keeping saver makes the earlier copy moot
-            if form != "keep":
-                self._remember(packed[0], key, "keep", None)  # the alias lives as long as the graph keeps it
         return "keep", packed
 
     def _form(self, key: StorageKey) -> tuple[str | None, Stored | None]:
-        """The storage's remembered form and its Stored while some saver still holds it."""
+        """The storage's form ("keep" while the Ledger holds a saved tensor of it on the device)
+        and its Stored while some saver still holds it."""
+        if self.ledger.kept(key):
+            return "keep", None
         form, stored, _ = self._forms.get(key, (None, None, None))
         return form, stored() if stored is not None else None
 

@@ -62,6 +62,7 @@ class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
 
 
 ALL = object()  # `Ledger.by_op`: every micro-batch
+_UNKNOWN = object()  # `Ledger.pack`: the caller has not looked up the storage
 
 
 class Record(NamedTuple):
@@ -83,6 +84,9 @@ class Record(NamedTuple):
     savers: tuple[object, ...]
 
 
+_new_record = tuple.__new__  # a Record without the Python frame of its generated __new__ (one per saved storage)
+
+
 @dataclass(slots=True)
 class _Live:
     record: Record
@@ -96,6 +100,9 @@ def model_device(tensors: Iterable[torch.Tensor]) -> torch.device:
         if t.device.type not in ("cpu", "meta"):
             return t.device
     return torch.device("cpu")
+
+
+_storage_of, _pointer, _device_of = torch.Tensor.untyped_storage, torch.UntypedStorage.data_ptr, torch.Tensor.get_device
 
 
 def _watch(ledger: Ledger, module: nn.Module) -> None:
@@ -126,23 +133,22 @@ def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int] | None:
     """(key, nbytes) of the storage behind ``tensor``; None when it holds no real memory.
 
     Sparse tensors and wrapper subclasses have no storage, meta and fake tensors a storage without
-    memory, empty tensors one of 0 bytes: none of them can occupy activation memory here.
+    memory (its address is 0), empty tensors one of 0 bytes: none of them can occupy activation
+    memory here. (This runs for every saved tensor: no device type string is made.)
     """
     try:
-        storage = tensor.untyped_storage()
-        if storage.device.type == "meta" or storage.nbytes() == 0:
-            return None
-        return (storage.device, storage.data_ptr()), storage.nbytes()
+        storage = _storage_of(tensor)
+        pointer, nbytes = storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError):
         return None
+    if not pointer or not nbytes:
+        return None
+    return (storage.device, pointer), nbytes
 
 
 def _key(tensor: torch.Tensor | None) -> StorageKey | None:
     found = None if tensor is None else _storage(tensor)
     return None if found is None else found[0]
-
-
-_storage_of, _pointer, _device_of = torch.Tensor.untyped_storage, torch.UntypedStorage.data_ptr, torch.Tensor.get_device
 
 
 class _Slots(NamedTuple):
@@ -211,7 +217,7 @@ class Ledger:
 
     def __init__(self, *, capacity_bytes: int | None = None, static_bytes: int = 0,
                  exclude: Iterable[torch.Tensor] = (), current_op: Callable[[], object] = lambda: None,
-                 source: Callable[[torch.Tensor], object] = lambda tensor: None,
+                 source: Callable[[torch.Tensor], object] | None = None,
                  device: torch.device | str | None = None, on_overrun: OnOverrun = "raise",
                  model: nn.Module | None = None):
         self.capacity_bytes = capacity_bytes
@@ -279,6 +285,7 @@ class Ledger:
         self._excluded = frozenset(keys)
         static = [tensor for owner, name in slots if (tensor := owner[name]) is not None]
         self.device = self._device if self._device is not None else model_device(static)
+        self._host_apart = self.device.type != "cpu"  # saved CPU tensors are host memory
         self._watch_engines(modules)
 
     def refresh_if_changed(self) -> bool:
@@ -330,8 +337,9 @@ class Ledger:
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield self
 
-    def pack(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Keep `tensor` for backward as it is, and count it.
+    def pack(self, tensor: torch.Tensor, found: tuple[StorageKey, int] | None = _UNKNOWN) -> tuple[torch.Tensor, int]:
+        """Keep `tensor` for backward as it is, and count it. `found`: its `_storage`, where the
+        caller has it already (the plan's hooks: this runs for every saved tensor).
 
         The pack keeps a detached alias (same storage, same values): keeping the tensor itself
         would tie a saved output to its own grad_fn in a cycle the garbage collector cannot break
@@ -340,8 +348,10 @@ class Ledger:
         hooked saved tensors, so `unpack` repeats it: tracking must never change gradients.
         """
         alias = tensor.detach()
-        off_device = alias.device.type == "cpu" and self.device.type != "cpu"
-        self.record(alias, "host" if off_device else "device")
+        if found is _UNKNOWN:
+            found = _storage(alias)
+        if found is not None:
+            self._record(alias, found[0], found[1], "host" if self._host_apart and alias.is_cpu else "device")
         return alias, alias._version
 
     @staticmethod
@@ -358,9 +368,10 @@ class Ledger:
     def excludes(self, tensor: torch.Tensor) -> bool:
         """True for the storage of a parameter or buffer (static memory, never counted here)."""
         found = _storage(tensor)
-        return found is not None and self._is_static(found[0])
+        return found is not None and self.is_static(found[0])
 
-    def _is_static(self, key: StorageKey) -> bool:
+    def is_static(self, key: StorageKey) -> bool:
+        """`excludes`, for a storage key the caller has."""
         if key in self._excluded:
             return True
         # called on every save: no generator made where no sharding engine gathers anything
@@ -399,31 +410,58 @@ class Ledger:
         if residency not in _RESIDENCIES:
             raise ValueError(f"residency must be one of {_RESIDENCIES}, got {residency!r}")
         found = _storage(tensor)
-        if found is None:
-            return
-        key, nbytes = found
+        if found is not None:
+            self._record(tensor, found[0], found[1], residency)
+
+    def _record(self, tensor: torch.Tensor, key: StorageKey, nbytes: int, residency: Residency) -> None:
+        """`record` of a storage found already: the path every saved tensor takes."""
         # callbacks run before the lock is taken: they may read the ledger
-        charged = self._charges.get(key)
-        op, micro_batch, source = self.current_op() if charged is None else charged[0], self.micro_batch, self.source(tensor)
+        charged = self._charges.get(key) if self._charges else None
+        op = self.current_op() if charged is None else charged[0]
+        source = None if self.source is None else self.source(tensor)
+        micro_batch = self.micro_batch
         with self._lock:
-            self._apply_releases()
-            if self._is_static(key):
+            if self._released or self._in_flight:
+                self._apply_releases()
+            if key in self._excluded or (self._gathered and self.is_static(key)):
                 return
             entry = self._live.get(key)
             if entry is None:
                 if residency == "device":
                     self._check_capacity(nbytes, op, micro_batch)
-                entry = _Live(Record(key, nbytes, residency, op, micro_batch, tensor.dtype, source, (op,)))
+                entry = _Live(_new_record(Record, (key, nbytes, residency, op, micro_batch, tensor.dtype, source, (op,))))
                 self._live[key] = entry
                 self._bytes[residency] += nbytes
                 if residency == "device":
                     where = (micro_batch, getattr(op, "layer", None))
                     self._by_layer[where] = self._by_layer.get(where, 0) + nbytes
-                self._peak = max(self._peak, self._bytes["device"] + self._in_flight_bytes)
+                    self._peak = max(self._peak, self._bytes["device"] + self._in_flight_bytes)
             elif op not in entry.record.savers:
                 entry.record = entry.record._replace(savers=(*entry.record.savers, op))
             # a weakref callback (not weakref.finalize, 25x dearer): called once, when `tensor` dies
             entry.holders.append(weakref.ref(tensor, lambda ref, entry=entry: self._released.append((entry, ref))))
+
+    def retire(self, micro_batch: int) -> None:
+        """`micro_batch` was abandoned (its output never went backward, or its step raised): what
+        its graph still keeps, while someone holds it, stays counted, as no micro-batch's, so that
+        the next micro-batch of that index is measured from nothing."""
+        with self._locked():
+            for entry in self._live.values():
+                record = entry.record
+                if record.micro_batch == micro_batch:
+                    entry.record = record._replace(micro_batch=None)
+                    if record.residency == "device":
+                        layer = getattr(record.op, "layer", None)
+                        self._by_layer[micro_batch, layer] -= record.nbytes
+                        if not self._by_layer[micro_batch, layer]:
+                            del self._by_layer[micro_batch, layer]
+                        self._by_layer[None, layer] = self._by_layer.get((None, layer), 0) + record.nbytes
+
+    def kept(self, key: StorageKey) -> bool:
+        """Whether a saved tensor of this storage lives on the device now (a saver kept it as it is)."""
+        with self._locked():
+            entry = self._live.get(key)
+            return entry is not None and entry.record.residency == "device"
 
     def in_flight(self, tensor: torch.Tensor, done: object) -> None:
         """Count the storage of `tensor`, a source being copied off the device, on the device until

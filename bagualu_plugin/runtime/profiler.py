@@ -142,7 +142,7 @@ def _instrumented(adapter: Adapter):
         stack.callback(model.set_experts_implementation, previous)
         tracker = OpTracker(adapter).install()
         stack.callback(tracker.remove)
-        monitor = stack.enter_context(GateMonitor(adapter))
+        monitor = stack.enter_context(GateMonitor(adapter, per_expert=False))
         yield tracker, monitor
 
 

@@ -44,7 +44,7 @@ from ..stage import Stage, mitigation_options
 from ..units import fmt_bytes
 from .boundaries import Boundaries, ForwardKind
 from .calibration import Calibration, Expected, Miss, gate_pairs
-from .ledger import Ledger, SimulatedOutOfMemoryError
+from .ledger import Ledger, SimulatedOutOfMemoryError, _storage
 from .plan_runtime import PlanRuntime
 from .static_memory import StaticMemory
 
@@ -102,6 +102,7 @@ class Event:
     balanced_pairs: float = 0.0  # what balanced routing brings each MoE layer: `routed` / this is its imbalance
     kind: dict = field(default_factory=dict)  # how its forward ran (`runtime.boundaries.ForwardKind`)
     misses: list[Miss] = field(default_factory=list)  # ops that kept other bytes than predicted (`runtime.calibration`)
+    ids_view_bytes: int = 0  # what its token ids keep beyond themselves: the larger tensor they are a view of (planned for)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -204,7 +205,7 @@ class Provisioner:
         self.phases = {s.micro_batch: s.phase for s in stage.schedule if s.kind == "F"}
         self.executor = None  # the fused executor engines run this stage through (`runtime.dual_batch`), made on first use
         self.runtime.install()
-        self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate).install()  # active while a forward runs
+        self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate, per_expert=False).install()  # on while a forward runs
         self.gate.active = False
         self._groups = {part.index: expert_group(part.experts) for part in adapter.layers if part.moe}  # None: one process
         self.telemetry = _telemetry_file(recipe)
@@ -319,14 +320,17 @@ class Provisioner:
 
     def begin_forward(
         self, mb: int, tokens: int, seq_len: int, *, kind: ForwardKind = ForwardKind(), phase: str | None = None,
-        in_flight: int | None = None,
+        in_flight: int | None = None, ids: torch.Tensor | None = None,
     ) -> Event:
         """Budget and plan micro-batch `mb` of `tokens` tokens, its forward of `kind`, for the normal
         routing band; its saved tensors go through the plan until `end_forward`. An engine that knows the schedule
         passes `phase` ("warmup" or "steady") and `in_flight` (micro-batches awaiting backward,
         nanotron's `len(state.microbatches_activations_requiring_backward)`): they are checked
-        against Algorithm 1's state, whose budgets are wrong if the two disagree. Returns the
-        micro-batch's event, which its forward and backward complete."""
+        against Algorithm 1's state, whose budgets are wrong if the two disagree. `ids`: the
+        token ids the model is given, when the caller has them: a view of a larger tensor (a
+        micro-batch sliced from a batch) keeps all of it through the embedding's saved ids, which
+        the plan makes room for (`_ids_view_bytes`). Returns the micro-batch's event, which its
+        forward and backward complete."""
         start = time.perf_counter()
         if self._forward is not None:
             raise ValueError(f"begin_forward({mb}): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
@@ -359,7 +363,8 @@ class Provisioner:
                 f"begin_forward({mb}): foreseen for {foreseen[0][0]} tokens of length {foreseen[0][1]} ({foreseen[0][2]}), "
                 f"but {tokens} of length {seq_len} ({kind}) come"
             )
-        decided = self.decider.begin(mb, tokens, seq_len, kind, None if foreseen is None else foreseen[1])
+        view = self._ids_view_bytes(ids)
+        decided = self.decider.begin(mb, tokens, seq_len, kind, None if foreseen is None else foreseen[1], held=view)
         decision, budget = decided.gates.decision, decided.budget
         if decided.slack + decided.gates.floor < 0:
             warnings.warn(
@@ -374,6 +379,7 @@ class Provisioner:
             mb, scheduled, budget, decision.activation_bytes, decision.plan.named(), decided.escalations, decided.deferred, tokens, seq_len,
             decision.room_bytes, routed=decided.routed, balanced_pairs=decided.balanced, kind=kind._asdict(),
             capacity=self.stage.capacity, forward=self.forwards, mitigation_s=decision.forward_extra_s + decision.backward_extra_s,
+            ids_view_bytes=view,
         )
         self.ledger.micro_batch = mb
         hooks = ExitStack()
@@ -384,6 +390,15 @@ class Provisioner:
         self._forward = _Forward(event, decided, hooks, kind, expected)
         event.planner_s = time.perf_counter() - start
         return event
+
+    def _ids_view_bytes(self, ids: torch.Tensor | None) -> int:
+        """The bytes of the storage behind `ids` beyond the ids themselves, which the cost model
+        does not know of: a training embedding saves the ids it is given for its weight's
+        gradient, and a view (`for ids in batch`, `batch[:, :n]`) keeps its whole storage. 0 where
+        the embedding saves none (it does not train: LoRA) or the ids are their own tensor."""
+        weight = getattr(getattr(self.runtime.adapter.decoder, "embed_tokens", None), "weight", None)
+        found = None if ids is None or weight is None or not weight.requires_grad else _storage(ids)
+        return 0 if found is None else found[1] - ids.numel() * ids.element_size()
 
     def routing(self, forward: Callable[..., object], /, *args, **kwargs) -> dict[int, int]:
         """The local routed pairs per MoE layer of `forward(*args, **kwargs)` (the model), run now without gradients, plan or
@@ -412,7 +427,7 @@ class Provisioner:
             self._grow(mb, tokens, seq_len, kind)
         self._foreseen[mb] = ((tokens, seq_len, kind), self.decider.foresee(tokens, seq_len, routed, kind))
 
-    def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor, local_pairs: torch.Tensor) -> None:
+    def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor | None, local_pairs: torch.Tensor | int) -> None:
         """Deferred planning: the experts of `layer` have not run yet (`planner.at_gate`). Under
         expert parallelism every rank of the group answers whether one asks for the collective
         escalation, at every gate (so the ranks' collectives stay in one order)."""
@@ -427,7 +442,7 @@ class Provisioner:
             f.decided.slack -= beyond
             f.beyond += beyond
         agree = None if group is None else (lambda asks: any_rank(asks, group, local_pairs.device))
-        self.decider.at_gate(f.decided, layer, int(local_pairs), agree)  # one host sync per MoE layer (two under EP)
+        self.decider.at_gate(f.decided, layer, int(local_pairs), agree)  # a host sync where pairs are counted on the device (two under EP)
         if f.decided.plan is not before:
             self.runtime.set_plan(f.decided.plan)
 
@@ -464,7 +479,7 @@ class Provisioner:
         if not measured:  # its saves are gone already (its backward ran before end_forward): nothing to compare
             return
         e.misses, corrected = self.calibration.check(
-            f.kind, cost, measured, e.tokens, e.routed, e.seq_len, f.decided.plan, self.stage.options
+            f.kind, cost, measured, e.tokens, e.routed, e.seq_len, f.decided.plan, self.stage.options, e.ids_view_bytes
         )
         if corrected is not cost:
             self.decider.add(f.kind, corrected)
@@ -528,13 +543,14 @@ class Provisioner:
     def abandon(self, error: BaseException | None = None) -> None:
         """The micro-batches begun and not ended (a step raised, or a forward's output never went
         backward) leave nothing behind: their forward's hooks closed, the fused executor's
-        micro-batches dropped, their events dropped, and the next micro-batch begins a new
-        iteration. `error`: what ended them; a device's out-of-memory error gets a note of what
+        micro-batches dropped, their events dropped, what their graphs still keep no longer
+        theirs (`Ledger.retire`), and the next micro-batch begins a new iteration. `error`: what ended them; a device's out-of-memory error gets a note of what
         the Ledger counted against the capacity (the Ledger's simulated one says so already)."""
         if isinstance(error, torch.OutOfMemoryError) and not isinstance(error, SimulatedOutOfMemoryError):
             error.add_note(self._memory_note())
         if self._forward is not None:
             self._forward.hooks.close()
+            self.ledger.retire(self._forward.event.micro_batch)
             self._forward = None
         self._foreseen.clear()
         if self.executor is not None:
@@ -545,6 +561,8 @@ class Provisioner:
             self.events.clear()
             self.events.extend(kept)
             self.forwards -= len(dropped)
+        for mb in self._awaiting_backward:
+            self.ledger.retire(mb)
         self._awaiting_backward.clear()
 
     def _memory_note(self) -> str:
