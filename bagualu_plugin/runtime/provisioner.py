@@ -544,8 +544,9 @@ class Provisioner:
         """The micro-batches begun and not ended (a step raised, or a forward's output never went
         backward) leave nothing behind: their forward's hooks closed, the fused executor's
         micro-batches dropped, their events dropped, what their graphs still keep no longer
-        theirs (`Ledger.retire`), and the next micro-batch begins a new iteration. `error`: what ended them; a device's out-of-memory error gets a note of what
-        the Ledger counted against the capacity (the Ledger's simulated one says so already)."""
+        theirs (`Ledger.retire`), and the next micro-batch begins a new iteration. `error`: what
+        ended them; a device's out-of-memory error gets a note of what the Ledger counted against
+        the capacity (the Ledger's simulated one says so already)."""
         if isinstance(error, torch.OutOfMemoryError) and not isinstance(error, SimulatedOutOfMemoryError):
             error.add_note(self._memory_note())
         if self._forward is not None:
