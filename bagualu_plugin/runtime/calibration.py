@@ -11,9 +11,10 @@ fewer) shows here first, not as an out-of-memory error.
 - An op that kept more than predicted is planned on what it kept from then on: its kind's cost
   model gains the bytes per token it kept beyond its graph, as a tensor the op saves, so
   recomputing or offloading the op takes them away as well (`CostModel.with_saved`).
-- Within the micro-batch that shows it, each gate sees what the decoder layers before it kept
-  beyond their prediction (`Expected`): that comes out of the slack the gate decides with, so the
-  gate escalates as it would for a routing spike.
+- Within the micro-batch that shows it, each gate sees what the decoder layers before it, and the
+  ops of its own layer that ran before it (attention, the norms, the router; Qwen2-MoE's shared
+  expert), kept beyond their prediction (`Expected`): that comes out of the slack the gate decides
+  with, so the gate escalates as it would for a routing spike.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import transformers
 
 from ..costmodel import OpId
 from ..costmodel.linear import Load
-from ..costmodel.mitigation import MitigationOptions, footprint
+from ..costmodel.mitigation import MitigationOptions, device_bytes_by_op, footprint
 from ..costmodel.model import CostModel
 from ..costmodel.plan import Plan
 
@@ -130,3 +131,11 @@ class Expected:
             self.bytes += footprint(block, dict(blocks.get(self._next, ())), load, cm.hardware, self.options).device_bytes
             self._next = next(self._layers, None)
         return self.bytes
+
+    def ran(self, layer: int, plan: Plan, pairs: float, ops: set[str]) -> float:
+        """Bytes the ops of `layer` that have run (at its gate: those before its routed experts,
+        in the family's own order) are expected to keep, under `plan`, with `pairs` routed."""
+        block = self.cm.blocks[layer]
+        load = Load.of(self.tokens, pairs if block.kind == "moe" else 0, self.seq_len, self.cm.pairs_per_token)
+        by_op = device_bytes_by_op(block, dict(plan.blocks().get(layer, ())), load, self.options)
+        return sum(by_op.get(op, 0.0) for op in ops)

@@ -35,7 +35,7 @@ from ..adapters.costs import model_cost
 from ..adapters.gate import GateMonitor
 from ..config import Batch, Recipe
 from ..costmodel import CostModel
-from ..costmodel.graph import COLLECTIVE_OPS
+from ..costmodel.graph import COLLECTIVE_OPS, OpId
 from ..derive import derive_recipe
 from ..parallel.expert import any_rank, expert_group
 from ..planner.decider import Band, Decider, Deferral, Escalation, Foresight, Forward
@@ -119,6 +119,7 @@ class _Forward:
     kind: ForwardKind
     expected: Expected  # what its blocks should keep, as its gates come
     beyond: float = 0.0  # what its layers before the latest gate kept beyond that, taken from its slack
+    ran: set[OpId] = field(default_factory=set)  # the ops its forward has entered so far
 
 
 def _check_expert_group(adapter: Adapter, recipe: Recipe) -> None:
@@ -207,6 +208,7 @@ class Provisioner:
         self.runtime.install()
         self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate, per_expert=False).install()  # on while a forward runs
         self.gate.active = False
+        self.runtime.tracker.listeners.append(self._entered)
         self._groups = {part.index: expert_group(part.experts) for part in adapter.layers if part.moe}  # None: one process
         self.telemetry = _telemetry_file(recipe)
         # the latest micro-batches' events (a long run would otherwise grow without bound) and
@@ -435,16 +437,25 @@ class Provisioner:
         if f is None or layer not in f.decided.gates.costs:
             return
         group, before = self._groups.get(layer), f.decided.plan
-        # what the blocks before the gate kept beyond their prediction, as a spike's pairs would
-        kept = sum(n for block, n in self.ledger.by_layer(f.event.micro_batch).items() if block is not None and 0 <= block < layer)
-        beyond = kept - f.expected.before(layer, f.decided.plan, f.decided.routed) - f.beyond
+        pairs = int(local_pairs)  # a host sync where pairs are counted on the device (two under EP)
+        # what the blocks before the gate, and this layer's ops that ran before it, kept beyond
+        # their prediction, as a spike's pairs would
+        kept = sum(n for block, n in self.ledger.by_layer(f.event.micro_batch).items() if block is not None and 0 <= block <= layer)
+        ran = {op.name for op in f.ran if op.layer == layer}
+        expected = f.expected.before(layer, before, f.decided.routed) + f.expected.ran(layer, before, pairs, ran)
+        beyond = kept - expected - f.beyond
         if beyond > 0:
             f.decided.slack -= beyond
             f.beyond += beyond
         agree = None if group is None else (lambda asks: any_rank(asks, group, local_pairs.device))
-        self.decider.at_gate(f.decided, layer, int(local_pairs), agree)  # a host sync where pairs are counted on the device (two under EP)
+        self.decider.at_gate(f.decided, layer, pairs, agree)
         if f.decided.plan is not before:
             self.runtime.set_plan(f.decided.plan)
+
+    def _entered(self, op: OpId) -> None:
+        """The op tracker's listener: which ops the running forward has entered (`_on_gate`)."""
+        if self._forward is not None:
+            self._forward.ran.add(op)
 
     def end_forward(self, mb: int) -> int:
         """The bytes micro-batch `mb` really keeps; its budget becomes that, with the room its
@@ -586,6 +597,7 @@ class Provisioner:
             self.static.remove()
         self.abandon()
         self.gate.remove()
+        self.runtime.tracker.listeners.remove(self._entered)
         self.runtime.remove()
         if getattr(self.runtime.adapter.model, INSTALLED_ATTR, None) is self:
             delattr(self.runtime.adapter.model, INSTALLED_ATTR)
