@@ -133,8 +133,8 @@ class Expected:
         return self.bytes
 
     def ran(self, layer: int, plan: Plan, pairs: float, ops: set[str]) -> float:
-        """Bytes the ops of `layer` that have run (at its gate: those before its routed experts,
-        in the family's own order) are expected to keep, under `plan`, with `pairs` routed."""
+        """Bytes the ops `ops` of `layer`, which have run, are expected to keep under `plan` with
+        `pairs` routed (at its gate: those before its routed experts, in the family's own order)."""
         block = self.cm.blocks[layer]
         load = Load.of(self.tokens, pairs if block.kind == "moe" else 0, self.seq_len, self.cm.pairs_per_token)
         by_op = device_bytes_by_op(block, dict(plan.blocks().get(layer, ())), load, self.options)

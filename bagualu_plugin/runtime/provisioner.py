@@ -441,7 +441,7 @@ class Provisioner:
         # what the blocks before the gate, and this layer's ops that ran before it, kept beyond
         # their prediction, as a spike's pairs would
         kept = sum(n for block, n in self.ledger.by_layer(f.event.micro_batch).items() if block is not None and 0 <= block <= layer)
-        ran = {op.name for op in f.ran if op.layer == layer}
+        ran = {op.name for op in f.ran if op.layer == layer} - set(COLLECTIVE_OPS)  # entered, not run (under EP)
         expected = f.expected.before(layer, before, f.decided.routed) + f.expected.ran(layer, before, pairs, ran)
         beyond = kept - expected - f.beyond
         if beyond > 0:
