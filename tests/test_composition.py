@@ -213,28 +213,12 @@ def test_sft_trainer_with_evaluation_between_steps_under_kernelize(tmp_path):
     assert _plugin_hooks(model) == []  # the plugin's hooks gone at train end, transformers' own stay
 
 
-def test_a_compiled_training_forward_is_refused_by_name_and_the_model_trains_on_uncompiled():
+@pytest.mark.parametrize("path", ["model", "micro_batch", "driver"])
+def test_a_compiled_training_forward_is_refused_by_name_and_the_model_trains_on_uncompiled(path):
     """torch.compile traces the plugin's op scopes and recompute regions into its graphs, whose
-    partitioner saves what it chooses: the forward's end says so (before any replay), and the same
-    model trains on uncompiled with its plans."""
-    torch.manual_seed(0)
-    model = tiny_model("qwen3_moe", num_hidden_layers=2)
-    recipe = tiny_recipe(model, seq_len=16, micro_batch_size=2, capacity=0.7, pipeline={"pp": 1, "micro_batches": 1},
-                         strategies={"allowed": ["recompute", "offload"]})
-    prov = bgl.apply(model, recipe)
-    ids = torch.randint(0, 128, (2, 16))
-    with pytest.raises(RuntimeError, match="ran under torch.compile.*train the model uncompiled with the plugin"):
-        torch.compile(model, backend="aot_eager")(input_ids=ids, labels=ids)
-    torch._dynamo.reset()
-    model(input_ids=ids, labels=ids).loss.backward()
-    assert [bool(e.plan) for e in prov.events] == [True] and prov.peak_device_bytes <= prov.stage.capacity
-    prov.remove()
-
-
-@pytest.mark.parametrize("path", ["micro_batch", "driver"])
-def test_a_compiled_forward_is_refused_where_the_caller_marks_the_micro_batches(path):
-    """The same refusal where the plugin does not find the forward's end on the model: inside
-    `prov.micro_batch()` and in the 1F1B driver; the micro-batch is dropped and the next trains."""
+    partitioner saves what it chooses: the forward's end says so (before any replay) wherever the
+    plugin finds it (the model's hooks, `prov.micro_batch()`, the 1F1B driver), the micro-batch is
+    dropped, and the same model trains on uncompiled with its plans."""
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe", num_hidden_layers=2)
     recipe = tiny_recipe(model, seq_len=16, micro_batch_size=2, capacity=0.7, pipeline={"pp": 1, "micro_batches": 1},
@@ -243,12 +227,14 @@ def test_a_compiled_forward_is_refused_where_the_caller_marks_the_micro_batches(
     ids = torch.randint(0, 128, (2, 16))
     compiled = torch.compile(model, backend="aot_eager")
     with pytest.raises(RuntimeError, match="ran under torch.compile.*train the model uncompiled with the plugin"):
-        if path == "micro_batch":
+        if path == "model":
+            compiled(input_ids=ids, labels=ids)
+        elif path == "micro_batch":
             with prov.micro_batch(ids):
                 compiled(input_ids=ids, labels=ids).loss.backward()
         else:
             run_iteration(compiled, [ids], prov.stage.schedule, prov)
     torch._dynamo.reset()
-    run_iteration(model, [ids], prov.stage.schedule, prov)
+    model(input_ids=ids, labels=ids).loss.backward()
     assert [bool(e.plan) for e in prov.events] == [True] and prov.peak_device_bytes <= prov.stage.capacity
     prov.remove()

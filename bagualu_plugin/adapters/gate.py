@@ -148,11 +148,11 @@ class GateMonitor(_RouterHooks):
     def counts(self, layer: int) -> torch.Tensor:
         """What MoE layer `layer`'s experts received in the last forward (a device tensor): (E,) per
     expert, or (E/ep,) per local expert under expert parallelism."""
-        if self._counts.get(layer) is None:
+        if layer not in self._counts:
             recorded = sorted(self._counts) or "none yet"
-            if layer in self._counts:
-                raise KeyError(f"layer {layer}: this monitor keeps no per-expert counts (per_expert=False)")
             raise KeyError(f"no routing recorded for layer {layer}; recorded layers: {recorded}")
+        if self._counts[layer] is None:
+            raise KeyError(f"layer {layer}: this monitor keeps no per-expert counts (per_expert=False)")
         return self._counts[layer]
 
     def local_pairs(self) -> dict[int, int]:
@@ -162,7 +162,7 @@ class GateMonitor(_RouterHooks):
             synced = dict(zip(tensors, torch.stack(list(tensors.values())).tolist()))
         else:  # layers on several devices (e.g. pipeline stages in one process): one sync each
             synced = {i: int(t) for i, t in tensors.items()}
-        return {i: synced[i] if i in synced else n for i, n in self._local.items()}
+        return {i: synced.get(i, n) for i, n in self._local.items()}
 
     def reset(self) -> None:
         self._counts.clear()

@@ -64,7 +64,8 @@ class Calibration:
     ) -> tuple[list[Miss], CostModel]:
         """The misses of one forward of `kind` (its bytes per op `measured`, its gates' `routed`),
         and `cm` corrected where it kept more (`cm` itself otherwise). `ids_view_bytes`: what its
-        token ids keep beyond themselves (`Provisioner._ids_view_bytes`), the embedding's. The forward's total decides:
+        token ids keep beyond themselves (`Provisioner._ids_view_bytes`), the embedding's.
+        The forward's total decides:
         where two ops save one storage it may be charged to either, and what the layers receive
         (masks, position ids, the loss's token count) is charged to the embedding whichever block
         saves it first. A total that differs names the ops of the blocks that differ, and an

@@ -423,7 +423,7 @@ class Ledger:
         with self._lock:
             if self._released or self._in_flight:
                 self._apply_releases()
-            if key in self._excluded or (self._gathered and self.is_static(key)):
+            if self.is_static(key):
                 return
             entry = self._live.get(key)
             if entry is None:
@@ -433,8 +433,7 @@ class Ledger:
                 self._live[key] = entry
                 self._bytes[residency] += nbytes
                 if residency == "device":
-                    where = (micro_batch, getattr(op, "layer", None))
-                    self._by_layer[where] = self._by_layer.get(where, 0) + nbytes
+                    self._count_layer(micro_batch, op, nbytes)
                     self._peak = max(self._peak, self._bytes["device"] + self._in_flight_bytes)
             elif op not in entry.record.savers:
                 entry.record = entry.record._replace(savers=(*entry.record.savers, op))
@@ -451,11 +450,8 @@ class Ledger:
                 if record.micro_batch == micro_batch:
                     entry.record = record._replace(micro_batch=None)
                     if record.residency == "device":
-                        layer = getattr(record.op, "layer", None)
-                        self._by_layer[micro_batch, layer] -= record.nbytes
-                        if not self._by_layer[micro_batch, layer]:
-                            del self._by_layer[micro_batch, layer]
-                        self._by_layer[None, layer] = self._by_layer.get((None, layer), 0) + record.nbytes
+                        self._count_layer(micro_batch, record.op, -record.nbytes)
+                        self._count_layer(None, record.op, record.nbytes)
 
     def kept(self, key: StorageKey) -> bool:
         """Whether a saved tensor of this storage lives on the device now (a saver kept it as it is)."""
@@ -581,10 +577,16 @@ class Ledger:
                 self._bytes[record.residency] -= record.nbytes
                 assert self._bytes[record.residency] >= 0, self._bytes
                 if record.residency == "device":
-                    where = (record.micro_batch, getattr(record.op, "layer", None))
-                    self._by_layer[where] -= record.nbytes
-                    if not self._by_layer[where]:
-                        del self._by_layer[where]
+                    self._count_layer(record.micro_batch, record.op, -record.nbytes)
+
+    def _count_layer(self, micro_batch: int | None, op: object, nbytes: int) -> None:
+        """`by_layer`'s count of (micro-batch, op's block) moved by `nbytes`; an entry at 0 goes."""
+        where = (micro_batch, getattr(op, "layer", None))
+        total = self._by_layer.get(where, 0) + nbytes
+        if total:
+            self._by_layer[where] = total
+        else:
+            del self._by_layer[where]
 
     def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
         live = self._bytes["device"] + self._in_flight_bytes
