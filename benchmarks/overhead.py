@@ -2,9 +2,10 @@
 (nothing to mitigate: every plan is empty) each model trains the same iterations twice over,
 alternating iteration by iteration between two copies of it (same weights, same batches): one
 with the plugin installed (the Provisioner's budgets, plans, gate monitor, saved-tensor hooks and
-Ledger), one plain. Each iteration is timed alone, the garbage collector frozen after set-up and
-collecting between iterations (`collector.ManualCollector`), and the ratio of the medians says
-what the plugin costs; the planner's share is its decision time over the plugin run's time.
+Ledger), one plain. Each iteration (in a Trainer row, each optimizer step) is timed alone, the
+garbage collector frozen after set-up and collecting between iterations
+(`collector.ManualCollector`), and the ratio of the medians says what the plugin costs; the
+planner's share is its decision time over the plugin run's time.
 
 Models: the demo's (the built-in `demo` recipe's tiny GLM-4-MoE, on its 4 expert-parallel gloo
 processes, pipeline rank 0 of 4, each iteration the slowest rank's) and a larger Qwen3-MoE on one
@@ -15,7 +16,7 @@ the zero-configuration path: the recipe derived, the micro-batches found on the 
 step there includes the optimizer's), in one process and per engine that runs on CPU: DDP over 2
 gloo processes, and the routed experts sharded over them (expert parallelism inside DDP).
 
-    python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~4 min on 2 CPU cores)
+    python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~10 min on 2 CPU cores)
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def _demo_rank(rank: int, size: int, iterations: int) -> dict:
 
 
 BATCH, SEQ, M = 2, 256, 4  # the larger model's micro-batches: 512 tokens each, 4 per step
+STEPS = 4  # optimizer steps per Trainer.train(), the first not timed
 
 
 def _make_larger():
@@ -119,8 +121,8 @@ def _larger(iterations: int) -> dict:
 def _trainer(iterations: int, ep: bool = False) -> dict:
     """The larger model under HF's Trainer as its users run it, with `BagualuCallback` (the plugin
     derives its recipe from the model and the training arguments, and finds each micro-batch on
-    the model) and without. Two Trainers of equal copies take turns: each `train()` runs 2
-    optimizer steps of M accumulated micro-batches and the second is timed (the first pays
+    the model) and without. Two Trainers of equal copies take turns: each `train()` runs STEPS
+    optimizer steps of M accumulated micro-batches and all but the first are timed (the first pays
     `train()`'s set-up: the optimizer, the data loader, the plugin's install). In a process group
     (`_trainer_rank`) each Trainer wraps its copy in DDP; `ep`: the routed experts sharded over
     the processes (the plain copy's as the callback shards them)."""
@@ -153,12 +155,12 @@ def _trainer(iterations: int, ep: bool = False) -> dict:
         shard_experts_for_ddp(plain)  # the callback shards its own copy at the Trainer's init
     callback = BagualuCallback(recipe)
     g = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, plain.config.vocab_size, (SEQ,), generator=g) for _ in range(2 * BATCH * M)]
+    rows = [torch.randint(0, plain.config.vocab_size, (SEQ,), generator=g) for _ in range(STEPS * BATCH * M)]
     dataset = [{"input_ids": ids, "labels": ids} for ids in rows]
     times = {"plugin": [], "plain": []}
     with tempfile.TemporaryDirectory() as out, ManualCollector() as collector:
         arguments = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=M, max_steps=2, learning_rate=1e-4,
+            output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=M, max_steps=STEPS, learning_rate=1e-4,
             report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
         )
         clocks = {name: StepClock(collector) for name in times}
@@ -172,9 +174,9 @@ def _trainer(iterations: int, ep: bool = False) -> dict:
         for _ in range(iterations):
             for name, trainer in trainers.items():
                 trainer.train()
-                times[name].append(clocks[name].times[-1])
-            prov = callback.provisioner  # this train()'s: the timed step's forwards are its last M
-            events = list(prov.events)[-M:]
+                times[name] += clocks[name].times[1 - STEPS:]
+            prov = callback.provisioner  # this train()'s: the timed steps' forwards are its last M each
+            events = list(prov.events)[M - M * STEPS:]
             planner_s += sum(e.planner_s for e in events)
             forwards += len(events)
             mitigated += sum(bool(e.plan) or bool(e.escalations) for e in events)
@@ -194,7 +196,10 @@ def _trainer_rank(rank: int, size: int, iterations: int, ep: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=8, help="measured iterations of each copy (after one warm-up)")
+    parser.add_argument(
+        "--iterations", type=int, default=8,
+        help=f"measured iterations of each copy (after one warm-up); a Trainer row's is a train() of {STEPS} steps, {STEPS - 1} timed",
+    )
     parser.add_argument("--json", default=None, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.iterations < 1:

@@ -239,3 +239,32 @@ def test_a_change_between_micro_batches_is_seen_and_never_counted(change, monkey
     with fresh.track():
         loss = model(input_ids=ids, labels=ids).loss  # noqa: F841 - its graph keeps the saved tensors alive
     assert kept == fresh.live_device_bytes > 0
+
+
+def test_a_forward_whose_plan_stores_nothing_only_counts_its_saves():
+    """A plan that keeps and recomputes only: the Ledger's own hooks count the saves (the plan's
+    per-save lookups skipped), the same bytes per op and gradients as under the plan's hooks, which
+    a plan storing nothing in practice (offloads under `offload_min_bytes`) still goes through.
+    A storing plan set while such a forward runs is refused by name: its saves would not be stored."""
+    from bagualu_plugin.costmodel.mitigation import MitigationOptions
+
+    model = tiny_model("qwen3_moe")
+    recompute = {OpId(1, "attn_core"): "recompute"}
+    bytes_by_op, grads = [], []
+    for stores in (False, True):  # the stored plan's offload is kept: it is under offload_min_bytes
+        runtime = PlanRuntime(model, options=MitigationOptions(offload_min_bytes=1 << 40)).install()
+        runtime.set_plan(Plan({**recompute, OpId(1, "expert_fc1"): "offload"} if stores else recompute))
+        runtime.ledger.micro_batch = 0
+        with runtime.forward():
+            assert top_hooks()[0] == (runtime.hooks.pack if stores else runtime.ledger.pack)
+            loss = model(input_ids=BATCHES[0], labels=BATCHES[0]).loss
+            if not stores:
+                with pytest.raises(ValueError, match="offloads or stores in FP8 while a forward runs"):
+                    runtime.set_plan(Plan({OpId(1, "expert_fc1"): "offload"}))
+        bytes_by_op.append(runtime.ledger.by_op(micro_batch=0))
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        runtime.remove()
+    assert bytes_by_op[0] == bytes_by_op[1] and sum(bytes_by_op[0].values()) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

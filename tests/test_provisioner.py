@@ -94,8 +94,9 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
 
 def test_the_telemetry_is_on_by_default_and_a_switch_or_an_unwritable_place_turns_it_off(tmp_path):
     """Without a path the events go to the working directory (the test's own), one file per rank
-    where several write, begun anew by each run; `enabled: false` writes none; a place that cannot
-    be written is said once and the run goes on with its events in memory."""
+    where several write, begun anew by each run, each line on disk before the run ends; `enabled:
+    false` writes none; a place that cannot be written is said once and the run goes on with its
+    events in memory."""
     from bagualu_plugin.config import Telemetry
 
     assert Telemetry().file() == Path("bagualu-telemetry.jsonl")
@@ -110,6 +111,8 @@ def test_the_telemetry_is_on_by_default_and_a_switch_or_an_unwritable_place_turn
             warnings.simplefilter("always")
             prov = apply(model, recipe.model_copy(update={"telemetry": Telemetry(**telemetry)}))
             run_iteration(model, _batches(), prov.stage.schedule, prov)
+            if lines is not None:  # each line on disk as its micro-batch completes: a job that dies keeps them
+                assert len((tmp_path / "bagualu-telemetry.jsonl").read_text().splitlines()) == lines
             prov.remove()
         lost = [str(w.message) for w in said if "cannot write the telemetry" in str(w.message)]
         assert len(lost) == (1 if "path" in telemetry else 0) and len(prov.events) == M

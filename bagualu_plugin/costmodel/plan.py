@@ -21,6 +21,7 @@ class Plan(Mapping[OpId, str]):
         self._blocks: dict[int, Block] | None = None
         self._hash: int | None = None
         self._named: tuple[tuple[str, str], ...] | None = None
+        self._stores: bool | None = None
         for key, strategy in (strategies or {}).items():
             op = key if isinstance(key, OpId) else OpId.parse(key)
             if strategy not in STRATEGIES:
@@ -88,6 +89,14 @@ class Plan(Mapping[OpId, str]):
         if self._named is None:
             self._named = tuple((f"{layer}.{name}", s) for layer, block in self.key for name, s in block)
         return dict(self._named)
+
+    @property
+    def stores(self) -> bool:
+        """Whether an op is offloaded or kept in FP8: a plan that only keeps and recomputes needs
+        its saves counted, not stored in another form."""
+        if self._stores is None:
+            self._stores = any(s in ("offload", "fp8") for s in self._map.values())
+        return self._stores
 
     def strategy(self, op: OpId) -> str:
         return self._map.get(op, "keep")

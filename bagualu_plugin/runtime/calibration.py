@@ -57,6 +57,7 @@ class Calibration:
     def __init__(self, family: str):
         self.family = family
         self._reported: set[tuple[object, object]] = set()
+        self._predicted: dict[tuple, tuple[CostModel, dict[object, int], int]] = {}
 
     def check(
         self, kind: object, cm: CostModel, measured: Mapping[object, int], tokens: int, routed: Mapping[int, float],
@@ -70,12 +71,12 @@ class Calibration:
         (masks, position ids, the loss's token count) is charged to the embedding whichever block
         saves it first. A total that differs names the ops of the blocks that differ, and an
         excess goes to the op that kept the most beyond its prediction."""
-        predicted = {op: round(n) for op, n in cm.device_bytes_by_op(tokens, gate_pairs(cm, routed), seq_len, plan, options).items()}
-        if ids_view_bytes:
-            predicted[EMBED] = predicted.get(EMBED, 0) + ids_view_bytes
-        excess = sum(measured.values()) - sum(predicted.values())
+        predicted, total = self._prediction(cm, tokens, gate_pairs(cm, routed), seq_len, plan, options)
+        excess = sum(measured.values()) - total - ids_view_bytes
         if not excess:
             return [], cm
+        if ids_view_bytes:
+            predicted = {**predicted, EMBED: predicted.get(EMBED, 0) + ids_view_bytes}
         differ = [
             op for ops in _by_block(set(measured) | set(predicted)).values() if sum(measured.get(o, 0) - predicted.get(o, 0) for o in ops)
             for op in ops if measured.get(op, 0) != predicted.get(op, 0)
@@ -96,6 +97,20 @@ class Calibration:
             op = max(owners, key=lambda op: measured.get(op, 0) - predicted.get(op, 0))
             return misses, cm.with_saved(op, excess / tokens)
         return misses, cm
+
+    def _prediction(
+        self, cm: CostModel, tokens: int, pairs: list[float] | None, seq_len: int, plan: Plan, options: MitigationOptions,
+    ) -> tuple[dict[object, int], int]:
+        """`cm`'s bytes per op for that forward, and their sum: remembered (up to 256 forwards'
+        shapes, routings and plans), as the same ones come back every micro-batch."""
+        key = (id(cm), tokens, None if pairs is None else tuple(pairs), seq_len, plan, options)
+        hit = self._predicted.get(key)
+        if hit is None or hit[0] is not cm:  # the entry holds its cost model: no other can take its id
+            by_op = {op: round(n) for op, n in cm.device_bytes_by_op(tokens, pairs, seq_len, plan, options).items()}
+            if len(self._predicted) >= 256:
+                self._predicted.clear()
+            hit = self._predicted[key] = (cm, by_op, sum(by_op.values()))
+        return hit[1], hit[2]
 
 
 def _by_block(ops) -> dict[int | None, list]:

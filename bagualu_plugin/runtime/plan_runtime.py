@@ -73,7 +73,7 @@ class PlanRuntime:
         self._ops = frozenset(self.adapter.ops())
         self._frames: dict[int | None, dict[int, list[weakref.ref]]] = {}  # micro-batch: layer: its live regions
         self._stack: ExitStack | None = None
-        self._forwarding = False  # inside forward(): only there does the plan apply
+        self._forwarding: str | None = None  # inside forward(), only where the plan applies: "stored" or "counted"
         self._arguments_op: OpId | None = None  # the op running before this forward's first decoder layer
 
     @property
@@ -83,6 +83,11 @@ class PlanRuntime:
     def set_plan(self, plan: Mapping) -> None:
         """Follow `plan` from now on (validated first: unknown ops, units that cannot recompute)."""
         plan = plan if isinstance(plan, Plan) else Plan(plan)
+        if self._forwarding == "counted" and plan.stores:
+            raise ValueError(
+                "set_plan: the plan offloads or stores in FP8 while a forward runs that began under one storing nothing, "
+                "whose saves are only counted: set it before the forward"
+            )
         self._regions, self.hooks.plan = self.regions(plan), plan
 
     def regions(self, plan: Plan) -> dict[tuple[int, tuple[str, ...]], frozenset[str]]:
@@ -308,27 +313,31 @@ class PlanRuntime:
         if refresh:
             self.ledger.refresh_if_changed()  # the model may have moved since (`.cuda()` after the runtime was built)
         self.hooks.new_forward()  # also where no model forward runs (a pipeline stage runs its modules)
+        # a plan that keeps or recomputes every op only has its saves counted: the Ledger's own
+        # hooks, which skip the plan's per-save lookups (every micro-batch's path at ample memory)
+        saves = self.hooks if self.plan.stores else self.ledger
         with ExitStack() as stack:
-            stack.enter_context(self._flag())
+            stack.enter_context(self._flag("stored" if saves is self.hooks else "counted"))
             stack.enter_context(bagualu_experts(self.adapter.config))
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack))
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saves.pack, saves.unpack))
             yield self.ledger
 
     @contextmanager
-    def _flag(self) -> Iterator[None]:
+    def _flag(self, saves: str) -> Iterator[None]:
         """Inside: a training forward with no KV cache (recomputation would update it again), its
-        op scopes on; they start from none, and end with none."""
+        op scopes on; they start from none, and end with none. `saves`: "stored" under the plan's
+        hooks, "counted" under the Ledger's."""
         config = self.adapter.config
         cache = config.use_cache
         if cache is not False:  # a config's validated write costs ~10 us: none where nothing changes
             config.use_cache = False
-        self._forwarding, self.tracker.active, self.tracker.current = True, True, None
+        self._forwarding, self.tracker.active, self.tracker.current = saves, True, None
         try:
             yield
         finally:
             if cache is not False:
                 config.use_cache = cache
-            self._forwarding, self.tracker.active, self.tracker.current = False, False, None
+            self._forwarding, self.tracker.active, self.tracker.current = None, False, None
 
     def remove(self) -> None:
         if self._stack is not None:

@@ -21,11 +21,13 @@ import json
 import os
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TextIO
 
 import torch
 from torch import nn
@@ -105,7 +107,7 @@ class Event:
     ids_view_bytes: int = 0  # what its token ids keep beyond themselves: the larger tensor they are a view of (planned for)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(vars(self), default=asdict)  # the nested dataclasses only made dicts (asdict copies all)
 
 
 @dataclass
@@ -210,7 +212,9 @@ class Provisioner:
         self.gate.active = False
         self.runtime.tracker.listeners.append(self._entered)
         self._groups = {part.index: expert_group(part.experts) for part in adapter.layers if part.moe}  # None: one process
-        self.telemetry = _telemetry_file(recipe)
+        self.telemetry = _telemetry_file(recipe)  # open for the Provisioner's life: a line per event, flushed as written
+        if self.telemetry is not None:
+            weakref.finalize(self, self.telemetry.close)
         # the latest micro-batches' events (a long run would otherwise grow without bound) and
         # running totals over all of them
         self.events: deque[Event] = deque(maxlen=EVENTS_KEPT)
@@ -506,12 +510,12 @@ class Provisioner:
             raise ValueError(f"end_backward({mb}): micro-batch {mb} has no finished forward awaiting its backward")
         event.live_after_backward = live
         self.runtime.release(mb)
-        if self.telemetry:
+        if self.telemetry is not None:
             try:
-                with self.telemetry.open("a") as f:
-                    f.write(event.to_json() + "\n")
+                self.telemetry.write(event.to_json() + "\n")
             except OSError as exc:  # a full disk ends the file, not the training
-                _telemetry_lost(self.telemetry, exc)
+                _telemetry_lost(Path(self.telemetry.name), exc)
+                self.telemetry.close()
                 self.telemetry = None
         return live
 
@@ -599,25 +603,30 @@ class Provisioner:
         self.gate.remove()
         self.runtime.tracker.listeners.remove(self._entered)
         self.runtime.remove()
+        if self.telemetry is not None:
+            self.telemetry.close()
+            self.telemetry = None
         if getattr(self.runtime.adapter.model, INSTALLED_ATTR, None) is self:
             delattr(self.runtime.adapter.model, INSTALLED_ATTR)
 
 
-def _telemetry_file(recipe: Recipe) -> Path | None:
+def _telemetry_file(recipe: Recipe) -> TextIO | None:
     """This process's events file (`Telemetry.file`: one per rank where several run), begun
-    anew: a run's file holds that run's micro-batches only. One that cannot be written (a
-    read-only working directory) is said, and the run goes on without it."""
+    anew (a run's file holds that run's micro-batches only) and kept open, line-buffered: each
+    event is on disk as it is written, a crash loses none, and no micro-batch pays for opening
+    the file. One that cannot be written (a read-only working directory) is said, and the run
+    goes on without it."""
     dist = torch.distributed
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
     path = recipe.telemetry.file(rank, world)
-    if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")
-        except OSError as exc:
-            _telemetry_lost(path, exc)
-            return None
-    return path
+    if path is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("w", buffering=1)
+    except OSError as exc:
+        _telemetry_lost(path, exc)
+        return None
 
 
 def _telemetry_lost(path: Path, exc: OSError) -> None:
