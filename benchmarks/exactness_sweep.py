@@ -6,7 +6,9 @@ with the bytes; and every micro-batch keeps what its kind's cost model predicts 
 A case draws a family, a trainer (TRL's SFTTrainer, HF's Trainer with its language-modelling
 collator, or a plain loop with `bgl.apply`), PEFT LoRA or not, the per-device batch, the longest
 text (texts of uneven length: padded batches and unpadded ones), gradient accumulation, the
-strategies and a capacity between the floor (full recompute) and the unplanned micro-batch.
+strategies, a capacity between the floor (full recompute) and the unplanned micro-batch, and the
+precision: FP32, or a BF16 checkpoint trained under autocast to BF16 (the Trainers' `bf16=True`,
+TRL's default; the loop's `torch.autocast`).
 Tiny random-init checkpoints, saved and loaded offline, on the CPU; the capacity is simulated.
 
     python benchmarks/exactness_sweep.py --cases 500 --seed 7    # a table of outcomes; exit 1 on a failure
@@ -51,6 +53,7 @@ class Case:
     strategies: tuple[str, ...]
     share: float  # capacity: floor + share * (unplanned - floor)
     seed: int
+    precision: str = "fp32"  # bf16: the checkpoint loaded in BF16 and its forwards under autocast (the Trainers' bf16=True, TRL's default)
 
 
 @dataclass
@@ -70,6 +73,7 @@ def draw(seed: int, count: int) -> list[Case]:
         Case(
             rng.choice(FAMILIES), rng.choice(("sft", "hf", "loop")), rng.random() < 0.3, rng.randint(1, 4), rng.randint(8, 40),
             rng.randint(1, 3), tuple(rng.choice(STRATEGIES)), round(rng.uniform(0.15, 1.0), 3), rng.randrange(2**16),
+            rng.choice(("fp32", "bf16")),
         )
         for _ in range(count)
     ]
@@ -95,7 +99,8 @@ def run(case: Case, root: Path) -> Outcome:
         save_tiny(case.family, checkpoint, num_hidden_layers=3)
     torch.manual_seed(case.seed)
     rng = random.Random(case.seed)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True)
+    bf16 = case.precision == "bf16"
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True, dtype=torch.bfloat16 if bf16 else torch.float32)
     cm = model_cost(model)
     tokens = case.batch * case.length
     unplanned = cm.activation_bytes(tokens, seq_len=case.length)
@@ -126,18 +131,21 @@ def run(case: Case, root: Path) -> Outcome:
                     batch = tokenizer([next(texts) for _ in range(case.batch)], truncation=True, max_length=case.length,
                                       padding=True, return_tensors="pt")
                     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-                    (model(**batch, labels=labels).loss / case.accumulation).backward()
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        loss = model(**batch, labels=labels).loss
+                    (loss / case.accumulation).backward()
                 optimizer.step()
                 optimizer.zero_grad()
         else:
             callback = BagualuCallback(partial)
             common = dict(output_dir=str(root / "out"), per_device_train_batch_size=case.batch,
                           gradient_accumulation_steps=case.accumulation, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[],
-                          save_strategy="no", use_cpu=True, seed=case.seed, gradient_checkpointing=False, disable_tqdm=True)
+                          save_strategy="no", use_cpu=True, seed=case.seed, gradient_checkpointing=False, disable_tqdm=True,
+                          bf16=bf16)
             if case.trainer == "sft":
                 from trl import SFTConfig, SFTTrainer
 
-                trainer = SFTTrainer(model=model, args=SFTConfig(max_length=case.length, bf16=False, **common), train_dataset=dataset,
+                trainer = SFTTrainer(model=model, args=SFTConfig(max_length=case.length, **common), train_dataset=dataset,
                                      processing_class=tokenizer, peft_config=peft, callbacks=[callback])
             else:
                 if peft is not None:

@@ -445,13 +445,16 @@ def ledger_device(ctx: Context):
             ledger.device == ctx.device and peak == now and before >= now + (64 << 20))
 
 
-def _cost_rows(ctx: Context, dtype, lora: dict | None = None, **config) -> tuple[str, str, bool]:
-    model = tiny_model("qwen3_moe", dtype=dtype, attn_implementation="sdpa", **config).to(ctx.device)
+def _cost_rows(
+    ctx: Context, dtype, lora: dict | None = None, family: str = "qwen3_moe", autocast: bool = False, **config
+) -> tuple[str, str, bool]:
+    """`autocast`: the forwards under autocast to `dtype` (the device's own autocast policy)."""
+    model = tiny_model(family, dtype=dtype, attn_implementation="sdpa", **config).to(ctx.device)
     if lora is not None:  # PEFT LoRA (`lora` is its LoraConfig), injected on the device
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(**lora))
-    cm = model_cost(model)
+    cm = model_cost(model, autocast=autocast)
     batch, seq = 2, ctx.seq(200)  # not a multiple of 32: the memory-efficient kernel pads its log-sum-exp
     ids = ctx.ids(batch, seq, seed=6)
     errors = {}
@@ -460,7 +463,7 @@ def _cost_rows(ctx: Context, dtype, lora: dict | None = None, **config) -> tuple
         for name, plan in (("keep", Plan()), ("offload", all_offload(model)), ("fp8", Plan.uniform(bgl.list_ops(model), "fp8"))):
             runtime.set_plan(plan)
             model.zero_grad(set_to_none=True)
-            with runtime.forward():
+            with runtime.forward(), torch.autocast(ctx.device.type, dtype=dtype, enabled=autocast):
                 loss = model(input_ids=ids, labels=ids).loss
             ctx.settle()
             counted = runtime.ledger.live_device_bytes
@@ -491,6 +494,12 @@ def cost_bf16(ctx: Context):
 @check("cost model vs ledger: bf16 sdpa, PEFT LoRA with dropout (a bool mask on CUDA)")
 def cost_lora(ctx: Context):
     return _cost_rows(ctx, torch.bfloat16, lora=dict(r=4, lora_dropout=0.1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
+@check("cost model vs ledger: bf16 autocast over bf16 weights (TRL's bf16=True), DeepSeek-V3's FP32 router, PEFT LoRA")
+def cost_autocast(ctx: Context):
+    lora = dict(r=4, lora_dropout=0.1, target_modules=["q_b_proj", "kv_b_proj"])
+    return _cost_rows(ctx, torch.bfloat16, lora=lora, family="deepseek_v3", autocast=True)
 
 
 # ---------------------------------------------------------------- quantised plans
@@ -602,15 +611,19 @@ def expert_parallel_group_of_one(ctx: Context):
 
 ENGINES = {  # the Trainer's own arguments for each engine, on one process
     "FSDP2": {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}},
-    "ZeRO-3": {"deepspeed": {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
-                             "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}},
+    **{
+        f"ZeRO-{stage}": {"deepspeed": {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+                                        "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}}
+        for stage in (2, 3)
+    },
 }
 
 
 def _engine_run(ctx: Context, engine: str, callback, workdir: str):
     """SFTTrainer on a tiny Qwen3-MoE (FP32, eager attention, seeded) under `engine`, `callback`
     given; returns the per-step losses, the trainer, and whether the engine really ran (FSDP2:
-    the weights are DTensors; ZeRO-3: DeepSpeed partitioned them)."""
+    the weights are DTensors; ZeRO: DeepSpeed's engine at that stage, which at 3 partitioned the
+    weights)."""
     from accelerate.state import AcceleratorState
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -630,12 +643,16 @@ def _engine_run(ctx: Context, engine: str, callback, workdir: str):
                          processing_class=tiny_tokenizer(), callbacks=[callback])
     trainer.train()
     weights = [p for p in trainer.model_wrapped.parameters()]
-    on = (trainer.is_fsdp_enabled and any(type(p).__name__ == "DTensor" for p in weights)) if engine == "FSDP2" else (
-        trainer.is_deepspeed_enabled and any(hasattr(p, "ds_id") for p in weights))
+    if engine == "FSDP2":
+        on = trainer.is_fsdp_enabled and any(type(p).__name__ == "DTensor" for p in weights)
+    else:
+        stage = ENGINES[engine]["deepspeed"]["zero_optimization"]["stage"]
+        on = (trainer.is_deepspeed_enabled and trainer.model_wrapped.zero_optimization_stage() == stage
+              and (stage < 3 or any(hasattr(p, "ds_id") for p in weights)))
     return [r["loss"] for r in trainer.state.log_history if "loss" in r], trainer, on
 
 
-@check("HF Trainer under FSDP2 and DeepSpeed ZeRO-3 (one process)")
+@check("HF Trainer under FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 (one process)")
 def trainer_engines(ctx: Context):
     """SFTTrainer with `BagualuCallback` under each sharding engine, on one GPU (a process group of
     one: the Trainer shards over it as over many): the engine really on, losses bitwise the same
@@ -653,7 +670,7 @@ def trainer_engines(ctx: Context):
     results, figures, ok = [], [], True
     try:
         for engine in ENGINES:
-            if engine == "ZeRO-3" and (not ctx.cuda or importlib.util.find_spec("deepspeed") is None):
+            if engine.startswith("ZeRO") and (not ctx.cuda or importlib.util.find_spec("deepspeed") is None):
                 results.append(f"{engine}: skipped ({'needs CUDA' if not ctx.cuda else 'deepspeed is not installed'})")
                 continue
             with tempfile.TemporaryDirectory() as workdir:

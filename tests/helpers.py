@@ -91,6 +91,7 @@ def plan_step(
     grads: str = "present",
     named: bool = False,
     output: bool = False,
+    autocast: torch.dtype | None = None,
 ) -> tuple:
     """One forward (and backward) of `model` on `ids` from cleared gradients: the detached loss,
     the gradients and the device bytes the Ledger counted at the end of forward.
@@ -102,14 +103,16 @@ def plan_step(
     Gradients (copies), in parameter order, a list or with `named` a dict by parameter name: of
     every parameter that has one ("present"), that requires grad ("trainable": one without a
     gradient fails), or of every parameter ("all", None where it has none). With `output`, the
-    model's output is returned last as well."""
+    model's output is returned last as well. autocast: the forward (not the backward) under
+    CPU autocast to that dtype."""
     model.zero_grad(set_to_none=True)
     if seed is not None:
         torch.manual_seed(seed)
     labels = ids.clone() if labels is None else labels
 
     def forward():
-        out = model(input_ids=ids, labels=labels)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            out = model(input_ids=ids, labels=labels)
         return out if output else out.loss  # only what the caller keeps outlives the forward
 
     if plan is None:

@@ -243,3 +243,34 @@ def test_a_plain_accelerate_loop():
     _same(ours, run(False)[0])
     assert [e.micro_batch for e in prov.events] == list(range(M)) * STEPS  # the accelerator's accumulation steps
     assert any(e.plan for e in prov.events) and prov.peak_device_bytes <= prov.stage.capacity
+
+
+def test_autocast_entered_inside_the_models_forward_is_planned_for_from_the_next_micro_batch():
+    """accelerate's prepare wraps the forward in autocast (mixed_precision bf16), out of sight of
+    the model's pre-hooks: the decoder's hook sees it before anything is saved, the micro-batch
+    is measured as one that runs under it (its FP32 router's BF16 copies), and every later one is
+    planned so; a forward that no longer runs under it is corrected the same way. A loop's own
+    autocast around the model is seen at once; under the Trainer the callback says so from the
+    first micro-batch (its accelerator's mixed precision: tests/test_exactness_sweep.py)."""
+    model = tiny_model("deepseek_v3", dtype=torch.bfloat16)
+    unplanned = model_cost(model, autocast=True).activation_bytes(BATCH * SEQ, seq_len=SEQ)
+    recipe = {"hardware": {"capacity_bytes": 10 * unplanned}, "budget": {"non_activation_bytes": 0}, "telemetry": {"enabled": False}}
+    ids = _batches()[0][0]
+    wrapped = model.forward
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(wrapped)
+    prov = bgl.apply(model, recipe)
+    begun = []
+    begin = prov.begin_forward
+    prov.begin_forward = lambda *a, **k: begun.append(k["kind"].autocast) or begin(*a, **k)
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()
+    model.forward = wrapped
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    model(input_ids=ids, labels=ids).loss.backward()  # no autocast: a plain BF16 forward again
+    events = list(prov.events)
+    prov.remove()
+    assert begun == [False, True, True, True, True]  # what each was planned as
+    assert [e.kind["autocast"] for e in events] == [True, True, True, True, False]  # what each ran as, measured so
+    assert not any(e.misses for e in events)

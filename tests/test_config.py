@@ -177,6 +177,7 @@ BAD = [
     ),
     ("layers-not-divisible-by-pp-vp", {"pipeline__vp": 3}, "pipeline.vp", "pp*vp (12) must divide model.num_layers (8)"),
     ("top-k-over-experts", {"model__top_k": 17}, "model.top_k", "top_k (17) exceeds num_experts (16)"),
+    ("autocast-fp32-model", {"model__dtype": "fp32", "model__autocast": True}, "model.autocast", "needs dtype bf16 or fp16, got fp32"),
     ("ep-not-dividing-experts", {"model__num_experts": 12}, "parallel.ep", "num_experts (12)"),
     ("ep-not-dividing-dp-tp", {"parallel__dp": 2}, "parallel.ep", "dp*tp (4)"),
     ("layers-not-divisible-by-pp", {"model__num_layers": 10}, "pipeline.pp", "num_layers (10)"),

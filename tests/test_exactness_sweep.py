@@ -1,5 +1,6 @@
 """benchmarks/exactness_sweep.py in CI: 50 cases of seed 0 (family, trainer, LoRA, batch, lengths
-and padding, accumulation, strategies, capacity between the floor and the unplanned micro-batch).
+and padding, accumulation, strategies, capacity between the floor and the unplanned micro-batch,
+FP32 or BF16 under autocast).
 Each trains with its peak at or under the capacity and no out-of-memory error, or is refused
 before training with the bytes; and every micro-batch kept what its kind's cost model predicts for
 its plan and routing (no difference for `runtime.calibration` to report)."""
@@ -35,19 +36,21 @@ def test_the_case_fits_or_is_refused_before_training(index, root):
 
 
 GRID = [
-    sweep.Case(family, trainer, False, batch, length, accumulation, ("recompute", "offload"), 0.5, 0)
+    sweep.Case(family, trainer, False, batch, length, accumulation, ("recompute", "offload"), 0.5, 0, precision)
     for family in sweep.FAMILIES
     for trainer in ("sft", "hf")
     for batch, length, accumulation in ((1, 24, 2), (2, 16, 1), (4, 40, 3))  # one sequence (no padding), padded batches
+    for precision in ("fp32", "bf16")
 ]
 
 
-@pytest.mark.parametrize("case", GRID, ids=lambda c: f"{c.family}-{c.trainer}-{c.batch}x{c.length}x{c.accumulation}")
+@pytest.mark.parametrize("case", GRID, ids=lambda c: f"{c.family}-{c.trainer}-{c.batch}x{c.length}x{c.accumulation}-{c.precision}")
 def test_every_family_and_trainer_fits_exactly_at_a_capacity_that_forces_plans(case, root):
     """SFTTrainer and HF's Trainer on every family over one-sequence and padded batches, with and
-    without accumulation, halfway between the floor and the unplanned micro-batch: every case fits
-    with every micro-batch keeping exactly what its kind's cost model says (recompute is allowed,
-    so the floor always fits: none is refused)."""
+    without accumulation, in FP32 and as a BF16 checkpoint under bf16=True (TRL's default:
+    autocast), halfway between the floor and the unplanned micro-batch: every case fits with
+    every micro-batch keeping exactly what its kind's cost model says (recompute is allowed, so
+    the floor always fits: none is refused)."""
     outcome = sweep.sweep([case], root)[0]
     assert outcome.result == "fits", (outcome.result, outcome.detail)
     assert outcome.micro_batches == 2 * case.accumulation and outcome.peak <= outcome.capacity

@@ -52,6 +52,32 @@ def test_every_single_op_plan_is_predicted_and_exact(family, adapters):
             assert torch.equal(loss, loss0) and all(torch.equal(g, r) for g, r in zip(grads, grads0, strict=True)), plan
 
 
+@pytest.mark.parametrize("training", ["full", "attention+experts", "attention, dropout 0.1"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_autocast_to_the_model_dtype_is_predicted_and_exact(family, training):
+    """A BF16 checkpoint under autocast to BF16 (the Trainer's bf16=True, TRL's default): an FP32
+    router (DeepSeek-V3, GLM-4-MoE) computes in BF16 on cast copies of its input and weight, PEFT's
+    FP32 adapters on cast copies of their input and weights (`ModelDims.autocast`). Predicted to
+    the byte with and without the ops it changes mitigated, gradients bitwise."""
+    if training == "full":
+        model = tiny_model(family, dtype=torch.bfloat16)
+    else:
+        dropout, experts = (0.1, False) if "dropout" in training else (0.0, True)
+        model = lora(family, dropout=dropout, experts=experts, dtype=torch.bfloat16)
+    cm, plain = model_cost(model, autocast=True), model_cost(model)
+    moe = cm.moe_layers[0]
+    changed = training != "full" or FAMILIES[family].router_fp32  # elsewhere autocast casts nothing: all is BF16 already
+    assert model_dims(model).autocast is False and (cm.blocks[moe] != plain.blocks[moe]) == changed
+    ops = [OpId(moe, op) for op in ("attn_qkv", "router", "expert_fc1", "expert_fc2")]
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss0, grads0, keep = plan_step(model, ids, {}, seed=0, grads="trainable", autocast=torch.bfloat16)
+    assert keep == cm.activation_bytes(32, seq_len=16)
+    for plan in [{op: strategy} for op in ops for strategy in ("recompute", "offload")]:
+        loss, grads, saved = plan_step(model, ids, plan, seed=0, grads="trainable", autocast=torch.bfloat16)
+        assert saved == cm.activation_bytes(32, seq_len=16, plan=plan), plan
+        assert torch.equal(loss, loss0) and all(torch.equal(g, r) for g, r in zip(grads, grads0, strict=True)), plan
+
+
 def test_frozen_weights_save_less_than_training_them():
     """The cost model of the whole model training, which is what `model_cost` predicted before it
     read the adapters, is far off; the LoRA one is exact (above) and keeps a frozen layer's

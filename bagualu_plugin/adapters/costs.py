@@ -37,6 +37,7 @@ def model_cost(
     fused_head: bool = False,
     loss_divisor_bytes: int = 0,
     router_aux_loss: str = "none",
+    autocast: bool = False,
 ) -> CostModel:
     """The analytic cost model of a supported HF model (`model_dims`) on `hardware` (a preset
     name or a spec, e.g. a recipe's `hardware`), on this rank of its expert-parallel group
@@ -44,7 +45,8 @@ def model_cost(
     whose attention gets a padding or packing mask, which SDPA keeps (`masked`), whose head is
     TRL's fused one (`fused_head`), whose loss divides by a token count tensor of that many
     bytes (`loss_divisor_bytes`: the Trainer's `num_items_in_batch`), which add the routers'
-    load-balancing loss (`router_aux_loss`, `ModelDims.router_aux_loss`)."""
+    load-balancing loss (`router_aux_loss`, `ModelDims.router_aux_loss`), which run under autocast
+    to the model's dtype (`autocast`, `ModelDims.autocast`)."""
     group = Adapter(model).expert_group
     parallel = Parallel(ep=group.size, ep_rank=group.rank, all_to_all=True) if group else Parallel()
     dims = model_dims(model)
@@ -52,7 +54,9 @@ def model_cost(
         dims = dims.model_copy(update={"attention": "sdpa_masked"})
     if fused_head:
         dims = dims.model_copy(update={"lm_head": "trl_fused"})
-    dims = dims.model_copy(update={"loss_divisor_bytes": loss_divisor_bytes, "router_aux_loss": router_aux_loss})
+    dims = ModelDims.model_validate(
+        {**dict(dims), "loss_divisor_bytes": loss_divisor_bytes, "router_aux_loss": router_aux_loss, "autocast": autocast}
+    )
     return CostModel.from_config(dims, hardware, parallel)
 
 

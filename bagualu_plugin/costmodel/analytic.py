@@ -157,15 +157,23 @@ class _Block:
             self.save(op, self.tensor(f"{target}.weight", op, LinearForm(), self.b))
         if not self.adapts(target):
             return self.trains or self.requires_grad(inp)
-        lora = self.dims.lora
+        lora, rank = self.dims.lora, self.dims.lora.rank_of(target)
         ab = DTYPE_BYTES[lora.dtype]
-        x = inp if ab == self.b else self.tensor(f"{target}.lora_x", op, self.tok(width), ab)
+        # under autocast to the model dtype, A and B run in it: on a cast copy of what they read
+        # (PEFT's cast to the adapters' dtype, cast back) and of their weights
+        cast = self.dims.autocast and ab != self.b
+        rb = self.b if cast else ab  # what A reads and returns
+        x = inp if ab == self.b else self.tensor(f"{target}.lora_x", op, self.tok(width), rb)
         if lora.dropout:
             fused = lora.device == "cuda"  # a bool mask, else the noise in the adapters' dtype
             noise = self.tensor(f"{target}.lora_mask", op, self.tok(width), 1 if fused else ab, floating=not fused)
             self.save(op, noise, when=self.requires_grad(inp))
-            x = self.tensor(f"{target}.lora_dropped", op, self.tok(width), ab)
-        self.save(op, x, self.tensor(f"{target}.lora_a", op, self.tok(lora.rank_of(target)), ab))
+            x = self.tensor(f"{target}.lora_dropped", op, self.tok(width), rb)
+        self.save(op, x, self.tensor(f"{target}.lora_a", op, self.tok(rank), rb))
+        if cast:  # each kept for its input's gradient: A's only where the layer's input needs one
+            w_in, w_out, _ = lora_shapes(self.dims)[target]
+            self.save(op, self.tensor(f"{target}.lora_A.cast", op, LinearForm(const=rank * w_in), self.b), when=self.requires_grad(inp))
+            self.save(op, self.tensor(f"{target}.lora_B.cast", op, LinearForm(const=rank * w_out), self.b))
         self.add_adapter(target)
         return True
 
@@ -330,13 +338,17 @@ def _router(blk: _Block, h_in: str) -> str:
     d, b = blk.dims, blk.b
     h, E, k = d.hidden_size, d.num_experts, d.top_k
     fp32 = d.traits.router_fp32 and b != _F32
-    x = blk.tensor("router.x32", "router", blk.tok(h), _F32) if fp32 else h_in
+    # an FP32 router computes in FP32; under autocast to the model dtype its linear runs in that
+    # dtype again, on cast copies of its input and weight, and what follows it too
+    r = b if fp32 and d.autocast else _F32
+    x = blk.tensor("router.x32", "router", blk.tok(h), r) if fp32 else h_in
     target = f"mlp.{d.traits.router}.weight"
     adapted = blk.adapts(target)  # PEFT's ParamWrapper: W + scale B A, made in the router and kept for the input's gradient
     blk.save("router", x, when=blk.trains or adapted)
-    if adapted:
-        weight = blk.tensor("router.weight", "router", LinearForm(const=E * h), _F32 if fp32 else b)
+    if adapted or (fp32 and d.autocast):  # the weight a linear reads is a tensor of its own
+        weight = blk.tensor("router.weight", "router", LinearForm(const=E * h), r if fp32 else b)
         blk.save("router", weight, when=blk.requires_grad(h_in))
+    if adapted:
         if d.lora.device == "cpu" and DTYPE_BYTES[d.lora.dtype] < _F32:  # B A of FP32 copies, each kept for the other
             rank = d.lora.rank_of(target)
             for side, w in (("in", h), ("out", E)):
@@ -346,16 +358,16 @@ def _router(blk: _Block, h_in: str) -> str:
     if d.traits.router_topk_softmax:
         blk.save("router", blk.tensor("router.topk_softmax", "router", blk.tok(k), b, grad=grad), when=grad)
     else:
-        blk.save("router", blk.tensor("router.scores", "router", blk.tok(E), _F32), when=grad)
+        blk.save("router", blk.tensor("router.scores", "router", blk.tok(E), r), when=grad)
     blk.save("router", blk.tensor("router.topk_index", "router", blk.tok(k), _I64, floating=False), when=grad)
     if d.norm_topk_prob:
-        blk.save("router", blk.tensor("router.topk_raw", "router", blk.tok(k), _F32), when=grad)
-        blk.save("router", blk.tensor("router.topk_sum", "router", blk.tok(1), _F32), when=grad)
+        blk.save("router", blk.tensor("router.topk_raw", "router", blk.tok(k), r), when=grad)
+        blk.save("router", blk.tensor("router.topk_sum", "router", blk.tok(1), r), when=grad)
     blk.op("router", (h_in,), blk.tok(2 * h * E), LinearForm(const=E * h * _F32) + blk.tok(h * b + 3 * E * _F32), kernels=10)
     blk.expert_params += E * h
     if d.traits.router_topk_softmax:
         return "router.topk_softmax"
-    return blk.tensor("topk_weights", "router", blk.tok(k), _F32 if d.traits.routing_weights_fp32 else b, grad=grad)
+    return blk.tensor("topk_weights", "router", blk.tok(k), r if d.traits.routing_weights_fp32 else b, grad=grad)
 
 
 def _moe(blk: _Block, h_in: str) -> None:

@@ -112,6 +112,12 @@ class ModelDims(_Strict):
         description="the load-balancing loss over every MoE layer's router logits (output_router_logits, as TRL asks "
         "for): none, over all tokens, or weighted by a given attention mask",
     )
+    autocast: bool = Field(
+        default=False,
+        description="the forward runs under autocast to the model's own dtype (the Trainer's bf16=True over a bf16 "
+        "checkpoint, TRL's default): a linear on FP32 operands (an FP32 router, PEFT's FP32 adapters) computes in the "
+        "model dtype on cast copies",
+    )
     lm_head: Literal["hf", "trl_fused"] = Field(
         default="hf",
         description="how the LM head and loss run: HF's CausalLM forward, or TRL's fused log-prob head (SFTTrainer's "
@@ -122,6 +128,7 @@ class ModelDims(_Strict):
     def _consistent(self) -> ModelDims:
         checks = [
             (self.top_k > self.num_experts, "top_k", f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})"),
+            (self.autocast and self.dtype == "fp32", "autocast", "autocast to the model's own dtype needs dtype bf16 or fp16, got fp32"),
             (
                 self.num_attention_heads % self.num_key_value_heads,
                 "num_key_value_heads",

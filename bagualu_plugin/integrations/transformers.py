@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 from contextlib import ExitStack
 
+import torch
 from accelerate.state import AcceleratorState
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
@@ -78,8 +79,10 @@ class BagualuCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _check_arguments(args)
         _log_first(self)  # added after the Trainer's init
-        kind = ForwardKind(fused_head=self.cost is None and _fused_head(model))
-        budget = trainer_budget(args, _accelerator_state())
+        accelerator = _accelerator_state()
+        planned = self.cost is None  # a given cost model describes plain forwards only
+        kind = ForwardKind(fused_head=planned and _fused_head(model), autocast=planned and _autocast(model, accelerator))
+        budget = trainer_budget(args, accelerator)
         recipe = derive_recipe(model, self.recipe, training_args=args, budget=budget).with_output_dir(args.output_dir or ".")
         self.provisioner = Provisioner(model, recipe, self.cost, kind)
 
@@ -154,6 +157,15 @@ def _log_first(callback: TrainerCallback) -> None:
 def _accelerator_state() -> AcceleratorState | None:
     """The Trainer's accelerate state (a process-wide singleton), None before one exists."""
     return AcceleratorState() if AcceleratorState._shared_state else None
+
+
+def _autocast(model, accelerator: AcceleratorState | None) -> bool:
+    """Whether the Trainer runs each forward under autocast to the model's own dtype (bf16=True
+    over a BF16 checkpoint, TRL's default): accelerate enters it inside the model's forward,
+    where no pre-hook of the model sees it."""
+    precision = getattr(accelerator, "mixed_precision", "no") if accelerator is not None else "no"
+    wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(precision))
+    return wanted is not None and next(Adapter(model).decoder.parameters()).dtype == wanted
 
 
 def _fused_head(model) -> bool:

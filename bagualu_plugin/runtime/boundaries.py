@@ -33,7 +33,10 @@ if TYPE_CHECKING:
 
 
 class Boundaries:
-    def __init__(self, provisioner: Provisioner):
+    def __init__(self, provisioner: Provisioner, autocast: bool = False):
+        """`autocast`: the model's forward enters autocast to its weights' dtype itself (accelerate's
+        wrapper, for the Trainer's bf16=True), which its pre-hooks cannot see; else learnt at the
+        first forward's decoder."""
         self._prov = provisioner
         model = provisioner.runtime.adapter.model
         self.index = 0  # the next micro-batch of the optimizer step: 0 .. pipeline.micro_batches - 1
@@ -49,6 +52,19 @@ class Boundaries:
             provisioner.runtime.adapter.decoder.register_forward_pre_hook(self._autocast),  # inside an autocast wrapper
         ]
         self._warned = False
+        self._inner = autocast  # autocast to the weights' dtype entered inside the model's forward
+        self._outside = False  # whether the running forward's kind saw autocast on already
+
+    def _kind(self, kwargs: dict) -> ForwardKind:
+        """`forward_kind(kwargs)`, run under autocast to the weights' dtype where it is on now or
+        the model's forward enters it."""
+        device = self._prov.ledger.device.type
+        self._outside = torch.is_autocast_enabled(device)
+        autocast = torch.get_autocast_dtype(device) == self._weights() if self._outside else self._inner
+        return forward_kind(kwargs)._replace(autocast=autocast)
+
+    def _weights(self) -> torch.dtype:
+        return next(self._prov.runtime.adapter.decoder.parameters()).dtype
 
     def _before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         self._depth += 1
@@ -59,19 +75,27 @@ class Boundaries:
             return
         tokens, seq_len = _shape(model, args, kwargs)
         self._fresh()
-        prov.begin_forward(self.index, tokens, seq_len, kind=forward_kind(kwargs), ids=_ids(args, kwargs))
+        prov.begin_forward(self.index, tokens, seq_len, kind=self._kind(kwargs), ids=_ids(args, kwargs))
         self._began = self.index
 
     def _autocast(self, decoder: nn.Module, args: tuple) -> None:
-        """Mixed precision that casts the weights (autocast to bf16 over an FP32 model, as
-        Accelerate's and the Trainer's `bf16=True` do) keeps a low-precision copy of every weight
-        and of every linear's input for backward, which the cost model does not describe: say so,
-        once, with the way out."""
-        device = self._prov.ledger.device.type
-        if self._began is None or self._warned or not torch.is_autocast_enabled(device):
+        """At the decoder, inside whatever wraps the model's forward, before anything is saved:
+        autocast entered there (by accelerate, for the Trainer's bf16=True) or no longer entered
+        corrects the running forward's kind (`Provisioner._rekind`) and is expected of the next.
+        Mixed precision that casts the weights (autocast to bf16 over an FP32 model) keeps a
+        low-precision copy of every weight and of every linear's input for backward, which the
+        cost model does not describe: said once, with the way out."""
+        f = self._prov._forward
+        if f is None:
             return
-        weight = next(decoder.parameters()).dtype
-        if torch.get_autocast_dtype(device) != weight:
+        device, weight = self._prov.ledger.device.type, self._weights()
+        enabled = torch.is_autocast_enabled(device)
+        same = enabled and torch.get_autocast_dtype(device) == weight
+        if not self._outside:
+            self._inner = same
+        if f.kind.autocast != same:
+            self._prov._rekind(f.kind._replace(autocast=same))
+        if enabled and not self._warned and torch.get_autocast_dtype(device) != weight:
             self._warned = True
             warnings.warn(
                 f"the forward runs under autocast to {torch.get_autocast_dtype(device)} over {weight} weights (mixed "
@@ -130,7 +154,7 @@ class Boundaries:
         prov = self._prov
         self._fresh()
         mb = self.index
-        prov.begin_forward(mb, input_ids.numel(), input_ids.shape[-1], kind=forward_kind({"attention_mask": attention_mask}), ids=input_ids)
+        prov.begin_forward(mb, input_ids.numel(), input_ids.shape[-1], kind=self._kind({"attention_mask": attention_mask}), ids=input_ids)
         forwards = []
 
         def ended(_model, _args, output):
@@ -191,12 +215,14 @@ class ForwardKind(NamedTuple):
     """How a micro-batch's forward runs, where that changes what it keeps: its attention given a
     mask (SDPA then keeps it, and repeats keys and values under grouped-query attention), its
     head TRL's fused one (no logits), the token count its loss divides by, the routers'
-    load-balancing loss. Each kind has its own cost model (`adapters.costs.model_cost`)."""
+    load-balancing loss, autocast to the weights' own dtype (FP32 routers and PEFT's FP32
+    adapters then compute in it). Each kind has its own cost model (`adapters.costs.model_cost`)."""
 
     masked: bool = False
     fused_head: bool = False
     loss_divisor_bytes: int = 0
     router_aux_loss: str = "none"
+    autocast: bool = False
 
 
 def forward_kind(kwargs: dict) -> ForwardKind:

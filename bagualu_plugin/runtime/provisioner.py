@@ -227,7 +227,7 @@ class Provisioner:
         self._checked: dict[ForwardKind, list[tuple[int, int]]] = {}  # per kind, the (tokens, seq_len) whose M0 was checked
         self._peak = 0  # peak_device_bytes before the static bytes last changed
         setattr(adapter.model, INSTALLED_ATTR, self)
-        self.boundaries = Boundaries(self) if recipe.pipeline.pp == 1 else None
+        self.boundaries = Boundaries(self, kind.autocast) if recipe.pipeline.pp == 1 else None
         if self.static is not None:
             self.static.watch(self._rebase)
 
@@ -264,7 +264,7 @@ class Provisioner:
         else:  # a given cost model: plan the micro-batch as if its forward were plain
             warnings.warn(
                 f"a micro-batch's forward runs as {kind} (a masked attention, TRL's fused head, a counted or auxiliary "
-                "loss), which the cost model given to bgl.apply does not describe: it is planned as a plain forward; let "
+                "loss, autocast), which the cost model given to bgl.apply does not describe: it is planned as a plain forward; let "
                 "bgl.apply build its cost model",
                 RuntimeWarning, stacklevel=4,
             )
@@ -396,6 +396,17 @@ class Provisioner:
         self._forward = _Forward(event, decided, hooks, kind, expected)
         event.planner_s = time.perf_counter() - start
         return event
+
+    def _rekind(self, kind: ForwardKind) -> None:
+        """The running forward is of `kind` after all: autocast entered inside the model's forward
+        (accelerate's wrapper), seen at its decoder before it saved anything. Its gates and the
+        check after it measure it as one; its plan stays (the model's pre-hooks armed for it)."""
+        f = self._forward
+        e = f.event
+        if (e.tokens, e.seq_len, kind) not in self._shapes:
+            self._grow(e.micro_batch, e.tokens, e.seq_len, kind)
+        f.kind, e.kind = kind, kind._asdict()
+        f.expected = Expected(self.decider.costs[kind], e.tokens, e.seq_len, self.stage.options)
 
     def _ids_view_bytes(self, ids: torch.Tensor | None) -> int:
         """The bytes of the storage behind `ids` beyond the ids themselves, which the cost model
