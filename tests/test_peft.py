@@ -52,15 +52,18 @@ def test_every_single_op_plan_is_predicted_and_exact(family, adapters):
             assert torch.equal(loss, loss0) and all(torch.equal(g, r) for g, r in zip(grads, grads0, strict=True)), plan
 
 
-@pytest.mark.parametrize("training", ["full", "attention+experts", "attention, dropout 0.1"])
+@pytest.mark.parametrize("training", ["full", "attention+experts", "attention, dropout 0.1", "all-linear"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_autocast_to_the_model_dtype_is_predicted_and_exact(family, training):
     """A BF16 checkpoint under autocast to BF16 (the Trainer's bf16=True, TRL's default): an FP32
     router (DeepSeek-V3, GLM-4-MoE) computes in BF16 on cast copies of its input and weight, PEFT's
-    FP32 adapters on cast copies of their input and weights (`ModelDims.autocast`). Predicted to
-    the byte with and without the ops it changes mitigated, gradients bitwise."""
+    FP32 adapters on cast copies of their input and weights, an adapted router's B A on casts of
+    both (`ModelDims.autocast`). Predicted to the byte with and without the ops it changes
+    mitigated, gradients bitwise."""
     if training == "full":
         model = tiny_model(family, dtype=torch.bfloat16)
+    elif training == "all-linear":  # the router's weight too
+        model = get_peft_model(tiny_model(family, dtype=torch.bfloat16), LoraConfig(r=4, target_modules="all-linear"))
     else:
         dropout, experts = (0.1, False) if "dropout" in training else (0.0, True)
         model = lora(family, dropout=dropout, experts=experts, dtype=torch.bfloat16)

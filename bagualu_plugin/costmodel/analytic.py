@@ -349,10 +349,14 @@ def _router(blk: _Block, h_in: str) -> str:
         weight = blk.tensor("router.weight", "router", LinearForm(const=E * h), r if fp32 else b)
         blk.save("router", weight, when=blk.requires_grad(h_in))
     if adapted:
-        if d.lora.device == "cpu" and DTYPE_BYTES[d.lora.dtype] < _F32:  # B A of FP32 copies, each kept for the other
+        ab = DTYPE_BYTES[d.lora.dtype]
+        # B A of copies, each kept for the other: FP32 ones on CPU of lower-precision adapters, and
+        # under autocast to the model dtype the casts of FP32 adapters to it
+        copies = _F32 if d.lora.device == "cpu" and ab < _F32 else b if d.autocast and ab != b else None
+        if copies is not None:
             rank = d.lora.rank_of(target)
             for side, w in (("in", h), ("out", E)):
-                blk.save("router", blk.tensor(f"router.weight.lora_{side}", "router", LinearForm(const=rank * w), _F32))
+                blk.save("router", blk.tensor(f"router.weight.lora_{side}", "router", LinearForm(const=rank * w), copies))
         blk.add_adapter(target, expert=True)
     grad = blk.trains or adapted or blk.requires_grad(h_in)
     if d.traits.router_topk_softmax:
