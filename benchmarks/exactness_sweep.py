@@ -8,7 +8,8 @@ collator, or a plain loop with `bgl.apply`), PEFT LoRA or not, the per-device ba
 text (texts of uneven length: padded batches and unpadded ones), gradient accumulation, the
 strategies, a capacity between the floor (full recompute) and the unplanned micro-batch, and the
 precision: FP32, or a BF16 checkpoint trained under autocast to BF16 (the Trainers' `bf16=True`,
-TRL's default; the loop's `torch.autocast`).
+TRL's default; the loop's `torch.autocast`); SFTTrainer's cases may pack the texts (`packing=True`:
+padding-free rows, the varlen arguments through the layers).
 Tiny random-init checkpoints, saved and loaded offline, on the CPU; the capacity is simulated.
 
     python benchmarks/exactness_sweep.py --cases 500 --seed 7    # a table of outcomes; exit 1 on a failure
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,6 +55,7 @@ class Case:
     share: float  # capacity: floor + share * (unplanned - floor)
     seed: int
     precision: str = "fp32"  # bf16: the checkpoint loaded in BF16 and its forwards under autocast (the Trainers' bf16=True, TRL's default)
+    packing: bool = False  # SFTTrainer only: TRL's padding-free packing of the texts into rows
 
 
 @dataclass
@@ -69,14 +71,15 @@ class Outcome:
 
 def draw(seed: int, count: int) -> list[Case]:
     rng = random.Random(seed)
-    return [
-        Case(
+    cases = []
+    for _ in range(count):
+        case = Case(
             rng.choice(FAMILIES), rng.choice(("sft", "hf", "loop")), rng.random() < 0.3, rng.randint(1, 4), rng.randint(8, 40),
             rng.randint(1, 3), tuple(rng.choice(STRATEGIES)), round(rng.uniform(0.15, 1.0), 3), rng.randrange(2**16),
             rng.choice(("fp32", "bf16")),
         )
-        for _ in range(count)
-    ]
+        cases.append(replace(case, packing=case.trainer == "sft" and rng.random() < 0.4))
+    return cases
 
 
 def _texts(rng: random.Random, count: int = 24) -> list[str]:
@@ -145,8 +148,9 @@ def run(case: Case, root: Path) -> Outcome:
             if case.trainer == "sft":
                 from trl import SFTConfig, SFTTrainer
 
-                trainer = SFTTrainer(model=model, args=SFTConfig(max_length=case.length, **common), train_dataset=dataset,
-                                     processing_class=tokenizer, peft_config=peft, callbacks=[callback])
+                config = SFTConfig(max_length=case.length, packing=case.packing, **common)
+                trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft,
+                                     callbacks=[callback])
             else:
                 if peft is not None:
                     from peft import get_peft_model

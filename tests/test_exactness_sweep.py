@@ -1,6 +1,6 @@
 """benchmarks/exactness_sweep.py in CI: 50 cases of seed 0 (family, trainer, LoRA, batch, lengths
 and padding, accumulation, strategies, capacity between the floor and the unplanned micro-batch,
-FP32 or BF16 under autocast).
+FP32 or BF16 under autocast, TRL's packing).
 Each trains with its peak at or under the capacity and no out-of-memory error, or is refused
 before training with the bytes; and every micro-batch kept what its kind's cost model predicts for
 its plan and routing (no difference for `runtime.calibration` to report)."""
@@ -55,6 +55,19 @@ def test_every_family_and_trainer_fits_exactly_at_a_capacity_that_forces_plans(c
     assert outcome.result == "fits", (outcome.result, outcome.detail)
     assert outcome.micro_batches == 2 * case.accumulation and outcome.peak <= outcome.capacity
     assert outcome.mitigated  # the capacity forced plans
+
+
+PACKED = [sweep.Case(family, "sft", False, 2, 32, 2, ("recompute", "offload"), 0.5, 0, "bf16", packing=True) for family in sweep.FAMILIES]
+
+
+@pytest.mark.parametrize("case", PACKED, ids=lambda c: c.family)
+def test_packed_rows_fit_exactly(case, root):
+    """SFTTrainer packing its texts into padding-free rows on every family: the varlen arguments
+    (`seq_idx`, `cu_seq_lens_q/k`) the layers receive, which the regions holding the layer
+    arguments keep, are planned for and predicted."""
+    outcome = sweep.sweep([case], root)[0]
+    assert outcome.result == "fits", (outcome.result, outcome.detail)
+    assert outcome.mitigated and outcome.peak <= outcome.capacity
 
 
 FOUND = {  # cases the 500-case sweeps found out of memory, each at its cause

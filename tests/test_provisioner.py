@@ -53,6 +53,7 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
             "micro_batch", "phase", "budget", "predicted", "plan", "escalations", "deferred", "tokens", "seq_len",
             "room_bytes", "planner_s", "capacity", "forward", "mitigation_s", "mitigated", "actual", "peak_device_bytes",
             "device_bytes", "live_after_backward", "point", "routed", "balanced_pairs", "kind", "misses", "ids_view_bytes",
+            "varlen_bytes",
         ]
         assert all(list(e) == fields for e in lines)
         assert all(e["capacity"] == capacity for e in lines) and sorted(e["forward"] for e in lines) == list(range(6))

@@ -166,6 +166,12 @@ class CostModel:
         holding = {i for i, block in self.blocks.items() if holds_arguments(block, plans[i])}
         return total + Footprint(device_bytes=self.argument_bytes(loads, holding))
 
+    def holds_arguments(self, plan: Mapping[OpId, str] | None) -> bool:
+        """Whether some block's recompute regions under `plan` hold the decoder layers' arguments
+        (`holds_arguments`): then whatever tensors the layers receive stay until backward."""
+        plans = self._split(plan)
+        return any(holds_arguments(block, plans[i]) for i, block in self.blocks.items())
+
     def device_bytes_by_op(
         self,
         tokens: int,

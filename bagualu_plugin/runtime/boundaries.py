@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..adapters import is_inside_backward
+from .ledger import _storage
 
 if TYPE_CHECKING:
     from .provisioner import Provisioner
@@ -75,7 +76,7 @@ class Boundaries:
             return
         tokens, seq_len = _shape(model, args, kwargs)
         self._fresh()
-        prov.begin_forward(self.index, tokens, seq_len, kind=self._kind(kwargs), ids=_ids(args, kwargs))
+        prov.begin_forward(self.index, tokens, seq_len, kind=self._kind(kwargs), ids=_ids(args, kwargs), varlen_bytes=varlen_bytes(kwargs))
         self._began = self.index
 
     def _autocast(self, decoder: nn.Module, args: tuple) -> None:
@@ -237,6 +238,18 @@ def forward_kind(kwargs: dict) -> ForwardKind:
     divisor = items.untyped_storage().nbytes() if isinstance(items, torch.Tensor) else 0
     aux = "none" if kwargs.get("output_router_logits") is not True else "all_tokens" if mask is None else "attention_mask"
     return ForwardKind(masked or packed, kwargs.get("fused_lm_head") is True, divisor, aux)
+
+
+VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # flash-attention's varlen arguments, through every layer
+
+
+def varlen_bytes(kwargs: dict) -> int:
+    """The bytes of the varlen arguments a forward is given (TRL's padding-free packing passes
+    them: each text's start and a text index per token), each storage once: the layers receive
+    them, and a recompute region holding a layer's arguments keeps them; the cost model does not
+    know their size, which depends on how many texts are packed."""
+    storages = dict(found for name in VARLEN if isinstance(kwargs.get(name), torch.Tensor) and (found := _storage(kwargs[name])))
+    return sum(storages.values())
 
 
 COMPILED = "CompiledFunctionBackward"  # the autograd node of a graph torch.compile made (AOTAutograd's)

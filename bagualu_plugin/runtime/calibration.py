@@ -61,22 +61,25 @@ class Calibration:
 
     def check(
         self, kind: object, cm: CostModel, measured: Mapping[object, int], tokens: int, routed: Mapping[int, float],
-        seq_len: int, plan: Plan, options: MitigationOptions, ids_view_bytes: int = 0,
+        seq_len: int, plan: Plan, options: MitigationOptions, ids_view_bytes: int = 0, varlen_bytes: int = 0,
     ) -> tuple[list[Miss], CostModel]:
         """The misses of one forward of `kind` (its bytes per op `measured`, its gates' `routed`),
         and `cm` corrected where it kept more (`cm` itself otherwise). `ids_view_bytes`: what its
-        token ids keep beyond themselves (`Provisioner._ids_view_bytes`), the embedding's.
+        token ids keep beyond themselves (`Provisioner._ids_view_bytes`); `varlen_bytes`: the
+        varlen arguments its layers receive (`runtime.boundaries.varlen_bytes`), kept where a
+        region holds the layer arguments; both the embedding's.
         The forward's total decides:
         where two ops save one storage it may be charged to either, and what the layers receive
         (masks, position ids, the loss's token count) is charged to the embedding whichever block
         saves it first. A total that differs names the ops of the blocks that differ, and an
         excess goes to the op that kept the most beyond its prediction."""
         predicted, total = self._prediction(cm, tokens, gate_pairs(cm, routed), seq_len, plan, options)
-        excess = sum(measured.values()) - total - ids_view_bytes
+        held = ids_view_bytes + (varlen_bytes if varlen_bytes and cm.holds_arguments(plan) else 0)
+        excess = sum(measured.values()) - total - held
         if not excess:
             return [], cm
-        if ids_view_bytes:
-            predicted = {**predicted, EMBED: predicted.get(EMBED, 0) + ids_view_bytes}
+        if held:
+            predicted = {**predicted, EMBED: predicted.get(EMBED, 0) + held}
         differ = [
             op for ops in _by_block(set(measured) | set(predicted)).values() if sum(measured.get(o, 0) - predicted.get(o, 0) for o in ops)
             for op in ops if measured.get(op, 0) != predicted.get(op, 0)

@@ -105,6 +105,7 @@ class Event:
     kind: dict = field(default_factory=dict)  # how its forward ran (`runtime.boundaries.ForwardKind`)
     misses: list[Miss] = field(default_factory=list)  # ops that kept other bytes than predicted (`runtime.calibration`)
     ids_view_bytes: int = 0  # what its token ids keep beyond themselves: the larger tensor they are a view of (planned for)
+    varlen_bytes: int = 0  # flash-attention's varlen arguments its layers receive (TRL's packing; planned for)
 
     def to_json(self) -> str:
         return json.dumps(vars(self), default=asdict)  # the nested dataclasses only made dicts (asdict copies all)
@@ -326,7 +327,7 @@ class Provisioner:
 
     def begin_forward(
         self, mb: int, tokens: int, seq_len: int, *, kind: ForwardKind = ForwardKind(), phase: str | None = None,
-        in_flight: int | None = None, ids: torch.Tensor | None = None,
+        in_flight: int | None = None, ids: torch.Tensor | None = None, varlen_bytes: int = 0,
     ) -> Event:
         """Budget and plan micro-batch `mb` of `tokens` tokens, its forward of `kind`, for the normal
         routing band; its saved tensors go through the plan until `end_forward`. An engine that knows the schedule
@@ -335,8 +336,10 @@ class Provisioner:
         against Algorithm 1's state, whose budgets are wrong if the two disagree. `ids`: the
         token ids the model is given, when the caller has them: a view of a larger tensor (a
         micro-batch sliced from a batch) keeps all of it through the embedding's saved ids, which
-        the plan makes room for (`_ids_view_bytes`). Returns the micro-batch's event, which its
-        forward and backward complete."""
+        the plan makes room for (`_ids_view_bytes`). `varlen_bytes`: the storages of the varlen
+        arguments the model is given (`runtime.boundaries.varlen_bytes`: TRL's padding-free
+        packing), which a region holding the layer arguments keeps: made room for too. Returns
+        the micro-batch's event, which its forward and backward complete."""
         start = time.perf_counter()
         if self._forward is not None:
             raise ValueError(f"begin_forward({mb}): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
@@ -370,7 +373,7 @@ class Provisioner:
                 f"but {tokens} of length {seq_len} ({kind}) come"
             )
         view = self._ids_view_bytes(ids)
-        decided = self.decider.begin(mb, tokens, seq_len, kind, None if foreseen is None else foreseen[1], held=view)
+        decided = self.decider.begin(mb, tokens, seq_len, kind, None if foreseen is None else foreseen[1], held=view + varlen_bytes)
         decision, budget = decided.gates.decision, decided.budget
         if decided.slack + decided.gates.floor < 0:
             warnings.warn(
@@ -385,7 +388,7 @@ class Provisioner:
             mb, scheduled, budget, decision.activation_bytes, decision.plan.named(), decided.escalations, decided.deferred, tokens, seq_len,
             decision.room_bytes, routed=decided.routed, balanced_pairs=decided.balanced, kind=kind._asdict(),
             capacity=self.stage.capacity, forward=self.forwards, mitigation_s=decision.forward_extra_s + decision.backward_extra_s,
-            ids_view_bytes=view,
+            ids_view_bytes=view, varlen_bytes=varlen_bytes,
         )
         self.ledger.micro_batch = mb
         hooks = ExitStack()
@@ -505,7 +508,8 @@ class Provisioner:
         if not measured:  # its saves are gone already (its backward ran before end_forward): nothing to compare
             return
         e.misses, corrected = self.calibration.check(
-            f.kind, cost, measured, e.tokens, e.routed, e.seq_len, f.decided.plan, self.stage.options, e.ids_view_bytes
+            f.kind, cost, measured, e.tokens, e.routed, e.seq_len, f.decided.plan, self.stage.options, e.ids_view_bytes,
+            e.varlen_bytes,
         )
         if corrected is not cost:
             self.decider.add(f.kind, corrected)
