@@ -185,6 +185,11 @@ class Budget(_Section):
         default=False, description="optimizer state and its gradients in host memory (ZeRO-Offload, FSDP2's CPU offload)"
     )
     offload_params: bool = Field(default=False, description="with fsdp: the weight shards in host memory too")
+    engine_buffer_bytes: Bytes = Field(
+        default=0,
+        description="a sharding engine's own device buffers beside the shards (DeepSpeed ZeRO's gradient reduce buckets), "
+        "added to the non-activation bytes",
+    )
 
 
 class Telemetry(_Section):

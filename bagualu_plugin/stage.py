@@ -94,6 +94,8 @@ class Stage:
                 )
         else:
             static = budget.non_activation_bytes
+        if static_bytes is None:
+            static += budget.engine_buffer_bytes  # what was measured, or a stage's own, holds them already
         m0 = _floor(chunks, tokens, recipe) if budget.min_budget == "auto" else budget.min_budget
         return cls(recipe, stage, tokens, static, m0, chunks)
 

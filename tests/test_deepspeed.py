@@ -1,14 +1,20 @@
 """DeepSpeed ZeRO over 2 gloo processes on CPU (DeepSpeed's CPU accelerator, `deepspeed.initialize`;
-the Trainer does not run DeepSpeed on CPU: `tests/test_engines.py`). ZeRO-3 gathers each module's
+the Trainer does not run DeepSpeed on CPU: `tests/test_engines.py`). The recipe prices each rank's
+static bytes from the engine's own config (`zero_budget`, as the Trainer path does), and the
+shards and reduce buckets it prices are the ones DeepSpeed really holds: stage 2's optimizer
+partition and stage 3's weight partitions each hold half the parameters on each rank, and each
+stage its 2 GB bucket (DeepSpeed's default size; only the pages its gradients fill become resident). ZeRO-3 gathers each module's
 parameters into new storages in its forward pre-hooks, with every parameter partitioned
 (`stage3_param_persistence_threshold: 0`): the Ledger never counts them, so each micro-batch
-keeps what its cost model says (no miss), and under a capacity that forces plans the losses and
-the final weights are bitwise those of the same engine without the plugin. The plugin installed
-before `deepspeed.initialize` (the engine's hooks come later) and after it. Needs DeepSpeed, which
-PyPI ships as source only: `.ci/run` builds it (`pip install --no-build-isolation deepspeed`)."""
+keeps what its cost model says (no miss). Under a capacity below the peak of the same run at
+ample memory, plans keep the peak under it, and the losses and the final weights are bitwise
+those of the same engine without the plugin. The plugin installed before `deepspeed.initialize`
+(the engine's hooks come later) and after it. Needs DeepSpeed, which PyPI ships as source only:
+`.ci/run` builds it (`pip install --no-build-isolation deepspeed`)."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -20,13 +26,25 @@ from helpers import run_jobs, tiny_recipe  # noqa: E402
 
 import bagualu_plugin as bgl  # noqa: E402
 from bagualu_plugin.adapters import tiny_model  # noqa: E402
+from bagualu_plugin.integrations.engines import zero_budget  # noqa: E402
+from bagualu_plugin.runtime.ledger import _storage  # noqa: E402
+from bagualu_plugin.stage import Stage  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 SEQ, MBS, STEPS = 16, 2, 3
+FP32 = {"weight_bytes_per_param": 4}  # the tiny model's weights; gradients 4, optimizer state 12 (FP32 master, two moments)
+AMPLE = 100.0  # capacity, in unmitigated micro-batches: nothing planned
 
 
-def _train(rank: int, size: int, stage: int, plugin: str) -> dict:
-    """`STEPS` ZeRO steps of a tiny Qwen3-MoE; `plugin`: "none", "before" or "after" `initialize`."""
+def _storages() -> dict:
+    """Every tensor storage alive in this process, by key, and its bytes."""
+    gc.collect()
+    return dict(found for t in gc.get_objects() if isinstance(t, torch.Tensor) and (found := _storage(t)))
+
+
+def _train(rank: int, size: int, stage: int, plugin: str, capacity: float = 0.7) -> dict:
+    """`STEPS` ZeRO steps of a tiny Qwen3-MoE; `plugin`: "none", "before" or "after" `initialize`;
+    `capacity`: the static bytes priced for the engine plus that many unmitigated micro-batches."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(size))  # as a launcher sets them
     deepspeed.init_distributed(dist_backend="gloo")  # on the ranks' group
     config = {
@@ -35,27 +53,49 @@ def _train(rank: int, size: int, stage: int, plugin: str) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
     }
     torch.manual_seed(0)
+    before = _storages()  # the jobs that ran before in this process (their results) are not this engine's
     model = tiny_model("qwen3_moe", num_hidden_layers=2)
-    recipe = tiny_recipe(model, seq_len=SEQ, micro_batch_size=MBS, capacity=0.7, parallel={"dp": size},
-                         pipeline={"pp": 1, "micro_batches": 1}, strategies={"allowed": ["recompute", "offload"]})
+    shape = {"seq_len": SEQ, "micro_batch_size": MBS, "parallel": {"dp": size}, "pipeline": {"pp": 1, "micro_batches": 1}}
+    priced = {"budget": {**zero_budget(config), **FP32, "non_activation_bytes": "auto"}}
+    ours = Stage.of(tiny_recipe(model, **shape, **priced))
+    static, cost = ours.static_bytes, ours.cost
+    activations = tiny_recipe(model, **shape, capacity=capacity).hardware.capacity_bytes
+    recipe = tiny_recipe(model, **shape, **priced, capacity_bytes=static + activations, strategies={"allowed": ["recompute", "offload"]})
+    plain = {**FP32, "non_activation_bytes": "auto", "shard_optimizer": False}
+    unsharded = Stage.of(tiny_recipe(model, **shape, budget=plain)).static_bytes
     prov = bgl.apply(model, recipe) if plugin == "before" else None
     engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     if plugin == "after":
         prov = bgl.apply(model, recipe)
     ids = torch.randint(0, 128, (MBS, SEQ), generator=torch.Generator().manual_seed(100 + rank))
+    buckets = []  # the reduce buckets' bytes as the last gradient of each backward comes (the embedding's)
+
+    def measure(_):
+        found = (b for bucket in engine.optimizer.ipg_buckets.values() for b in ([bucket.buffer] if stage == 3 else bucket.buffer))
+        buckets.append(sum(b.numel() * b.element_size() for b in found))
+
+    model.model.embed_tokens.weight.register_post_accumulate_grad_hook(measure)
     losses = []
     for _ in range(STEPS):
         loss = engine(input_ids=ids, labels=ids.clone()).loss
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    del loss
+    held = sum(n for key, n in _storages().items() if key not in before)  # what the engine keeps between steps
     with deepspeed.zero.GatheredParameters(list(model.parameters()), enabled=stage == 3):
         weights = {name: p.detach().clone() for name, p in model.named_parameters()}
-    out = {"losses": losses, "weights": weights}
+    params = list(model.parameters())
+    shards = [p.ds_tensor.numel() for p in params] if stage == 3 else [t.numel() for t in engine.optimizer.single_partition_of_fp32_groups]
+    count = sum(p.ds_numel if stage == 3 else p.numel() for p in params)
+    out = {"losses": losses, "weights": weights, "shard": sum(shards), "params": count,
+           "released": stage == 3 and all(p.numel() == 0 for p in params), "unsharded": unsharded, "static": static, "held": held,
+           "buckets": buckets, "priced_buckets": zero_budget(config)["engine_buffer_bytes"],
+           "gathered": 2 * 4 * max(cost.blocks[i].dense_params + cost.blocks[i].expert_params for i in cost.layers)}
     if prov is not None:
         out.update(
             misses=[m for e in prov.events for m in e.misses], planned=sum(bool(e.plan) for e in prov.events),
-            peak=prov.peak_device_bytes, capacity=prov.stage.capacity, events=len(prov.events),
+            peak=prov.peak_device_bytes, capacity=prov.stage.capacity, events=len(prov.events), provisioned=prov.stage.static_bytes,
         )
         prov.remove()
     return out
@@ -64,14 +104,36 @@ def _train(rank: int, size: int, stage: int, plugin: str) -> dict:
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list]:
     jobs = {f"{stage}-{plugin}": (_train, stage, plugin) for stage in (2, 3) for plugin in ("none", "before", "after")}
+    jobs |= {f"{stage}-ample": (_train, stage, "before", AMPLE) for stage in (2, 3)}
     return run_jobs(2, jobs, timeout_s=120)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("plugin", ["before", "after"])
 def test_zero_trains_bitwise_under_plans_with_the_ledger_on_the_cost_model(runs, stage, plugin):
-    for ours, stock in zip(runs[f"{stage}-{plugin}"], runs[f"{stage}-none"]):
+    for ours, stock, ample in zip(runs[f"{stage}-{plugin}"], runs[f"{stage}-none"], runs[f"{stage}-ample"]):
         assert ours["losses"] == stock["losses"]
         assert all(torch.equal(ours["weights"][k], stock["weights"][k]) for k in stock["weights"])
-        assert ours["events"] == STEPS and ours["planned"] == STEPS  # the capacity forced a plan on each
-        assert ours["misses"] == [] and ours["peak"] <= ours["capacity"]
+        assert ours["events"] == STEPS and ours["planned"] == STEPS and ample["planned"] == 0  # the capacity forced a plan on each
+        assert ours["misses"] == [] and ours["peak"] <= ours["capacity"] < ample["peak"]
+        assert ours["provisioned"] == stock["static"]  # the engine's price, not a measure of the parameters
+
+
+def test_the_static_bytes_priced_are_what_deepspeed_holds(runs):
+    """Each rank holds half the parameters in its optimizer partition (stage 2) or weight
+    partitions (stage 3, whose gathered weights are released after each module). The reduce
+    buckets priced are those DeepSpeed allocates, live as the backward's last gradient comes
+    (stage 2 frees them at the step, stage 3 keeps its one). What the stock engine keeps between
+    steps is what is priced, less what a step gathers at stage 3 (two layers' weights) and, at
+    stage 2, less its buckets and the FP32 master partition it aliases to the flat FP32 weights
+    (priced as the separate copy mixed precision keeps); 1% for the cost model's parameter count."""
+    for stage in (2, 3):
+        for rank in runs[f"{stage}-none"]:
+            assert rank["shard"] == rank["params"] / 2 and rank["released"] == (stage == 3)
+            assert rank["buckets"] == [rank["priced_buckets"]] * STEPS and rank["priced_buckets"] == 500_000_000 * 4
+            unpriced = rank["gathered"] if stage == 3 else rank["priced_buckets"] + 4 * rank["params"] // 2
+            sharded = rank["held"] - rank["priced_buckets"] * (stage == 3)
+            assert abs(rank["static"] - unpriced - rank["held"]) <= 0.01 * sharded
+    two, three = (runs[f"{stage}-none"][0] for stage in (2, 3))
+    shards = [r["static"] - r["priced_buckets"] for r in (two, three)]  # the buckets are the same
+    assert shards[1] - three["gathered"] < shards[0] < two["unsharded"]  # what each stage shards

@@ -15,7 +15,7 @@ from transformers import TrainingArguments
 
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.config import RecipeError
-from bagualu_plugin.integrations.engines import engine, engine_budget, fsdp_budget, trainer_budget, zero_budget
+from bagualu_plugin.integrations.engines import engine, engine_budget, fsdp_budget, trainer_budget, zero_budget, zero_buffer_bytes
 from bagualu_plugin.stage import Stage
 
 OFF = {"offload_optimizer": False, "offload_params": False}
@@ -40,19 +40,48 @@ def test_fsdp_settings_it_cannot_price_are_refused_by_name(fields, named):
         fsdp_budget(FullyShardedDataParallelPlugin(**fields))
 
 
+BUCKETS = 500_000_000 * 4  # one reduce bucket of DeepSpeed's default size, FP32
+
+
 @pytest.mark.parametrize(
     ("zero", "expected"),
     [
-        ({}, {"fsdp": False, "shard_optimizer": False, "shard_gradients": False, **OFF}),
-        ({"stage": 1}, {"fsdp": False, "shard_optimizer": True, "shard_gradients": False, **OFF}),
+        ({}, {"fsdp": False, "shard_optimizer": False, "shard_gradients": False, **OFF, "engine_buffer_bytes": 0}),
+        ({"stage": 1}, {"fsdp": False, "shard_optimizer": True, "shard_gradients": False, **OFF, "engine_buffer_bytes": BUCKETS}),
         ({"stage": 2, "offload_optimizer": {"device": "cpu"}},
-         {"fsdp": False, "shard_optimizer": True, "shard_gradients": True, "offload_optimizer": True, "offload_params": False}),
+         {"fsdp": False, "shard_optimizer": True, "shard_gradients": True, "offload_optimizer": True, "offload_params": False,
+          "engine_buffer_bytes": BUCKETS}),
         ({"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "none"}},
-         {"fsdp": True, "shard_optimizer": True, "shard_gradients": True, "offload_optimizer": False, "offload_params": True}),
+         {"fsdp": True, "shard_optimizer": True, "shard_gradients": True, "offload_optimizer": False, "offload_params": True,
+          "engine_buffer_bytes": BUCKETS}),
     ],
 )
 def test_zero_stages_and_offload(zero, expected):
     assert zero_budget({"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto"}) == expected
+
+
+@pytest.mark.parametrize(
+    ("config", "buffers"),
+    [
+        ({"stage": 2, "reduce_bucket_size": 1000}, 4000),
+        ({"stage": 2, "reduce_bucket_size": 1000, "overlap_comm": True}, 8000),  # two, taking turns
+        ({"stage": 2, "reduce_bucket_size": 1000, "contiguous_gradients": False}, 0),  # none: each gradient on its own
+        ({"stage": 3, "reduce_bucket_size": 1000, "overlap_comm": True}, 4000),  # stage 3's one bucket overlaps anyway
+        ({"stage": 1, "reduce_bucket_size": "auto"}, 64 * 64 * 4),  # the Trainer's and accelerate's fill: hidden_size squared
+        ({"stage": 2, "reduce_bucket_size": 5e8}, BUCKETS),
+    ],
+)
+def test_zero_reduce_buckets(config, buffers):
+    assert zero_buffer_bytes({"zero_optimization": config}, hidden_size=64) == buffers
+    assert zero_buffer_bytes({"zero_optimization": config, "bf16": {"enabled": True}}, hidden_size=64) == buffers // 2
+    assert zero_buffer_bytes({"zero_optimization": config, "fp16": {"enabled": "auto"}}, hidden_size=64) == buffers  # the larger
+
+
+def test_zero_buckets_in_the_communication_dtype_at_stage_3():
+    config = {"zero_optimization": {"stage": 3, "reduce_bucket_size": 1000}, "bf16": {"enabled": True}}
+    assert zero_buffer_bytes({**config, "communication_data_type": "fp32"}) == 4000
+    below = {**config, "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}}
+    assert zero_buffer_bytes({**below, "communication_data_type": "fp32"}) == 2000  # stage 2's buckets: the weights' dtype
 
 
 @pytest.mark.parametrize(
@@ -62,17 +91,20 @@ def test_zero_stages_and_offload(zero, expected):
         ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
          "zero_optimization.offload_param needs stage 3, got stage 2"),
         ({"zero_optimization": {"stage": 3}, "activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing"),
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}, "reduce_bucket_size='auto': pass the model's hidden_size"),
+        ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "big"}}, "reduce_bucket_size='big': expected a positive number"),
     ],
 )
 def test_zero_settings_it_cannot_price_are_refused_by_name(config, named):
-    with pytest.raises(ValueError, match=f"DeepSpeed: {named}"):
+    with pytest.raises(ValueError, match=f"DeepSpeed: (zero_optimization.)?{named}"):
         zero_budget(config)
 
 
 def test_each_engine_leaves_a_rank_its_share():
     """Static bytes per rank of 2: weights W, gradients G and optimizer state O per trainable
     parameter; ZeRO-1 divides O, ZeRO-2 G and O, ZeRO-3 (= FSDP2) all three plus two gathered
-    layers' weights; offload takes what the host keeps off the device."""
+    layers' weights; offload takes what the host keeps off the device; ZeRO adds its reduce
+    buckets (B)."""
     model = tiny_model("qwen3_moe", num_hidden_layers=2)
     base = tiny_recipe(model, seq_len=16, micro_batch_size=1, parallel={"dp": 2}, pipeline={"pp": 1, "micro_batches": 1},
                        budget={"non_activation_bytes": "auto"})
@@ -85,12 +117,16 @@ def test_each_engine_leaves_a_rank_its_share():
     w, g, o = base.budget.weight_bytes_per_param, base.budget.grad_bytes_per_param, base.budget.optimizer_bytes_per_param
     layer = max(cost.blocks[i].dense_params + cost.blocks[i].expert_params for i in cost.layers)
     assert static(shard_optimizer=False) == round(params * w + trained * (g + o))
-    assert static(**zero_budget({"zero_optimization": {"stage": 1}})) == round(params * w + trained * (g + o / 2))
-    assert static(**zero_budget({"zero_optimization": {"stage": 2}})) == round(params * w + trained * (g + o) / 2)
-    offloaded = zero_budget({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
-    assert static(**offloaded) == round(params * w)
+    b = 4 * 1000
+
+    def zero(stage: int, **fields) -> dict:
+        return zero_budget({"zero_optimization": {"stage": stage, "reduce_bucket_size": 1000, **fields}})
+
+    assert static(**zero(1)) == round(params * w + trained * (g + o / 2)) + b
+    assert static(**zero(2)) == round(params * w + trained * (g + o) / 2) + b
+    assert static(**zero(2, offload_optimizer={"device": "cpu"})) == round(params * w) + b
     full = round((params * w + trained * (g + o)) / 2 + 2 * layer * w)
-    assert static(**zero_budget({"zero_optimization": {"stage": 3}})) == full
+    assert static(**zero(3)) == full + b
     assert static(**fsdp_budget(FullyShardedDataParallelPlugin(fsdp_version=2))) == full
     assert static(**fsdp_budget(FullyShardedDataParallelPlugin(fsdp_version=2, cpu_offload=True))) == round(2 * layer * w)
     with pytest.raises(RecipeError, match="budget.offload_params: weight shards in host memory need budget.fsdp"):

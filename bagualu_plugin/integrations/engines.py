@@ -40,12 +40,13 @@ def fsdp_budget(plugin: Any) -> dict[str, bool]:
     return {"fsdp": True, "shard_optimizer": True, "offload_params": offload, "offload_optimizer": offload}
 
 
-def zero_budget(config: dict[str, Any]) -> dict[str, bool]:
+def zero_budget(config: dict[str, Any], hidden_size: int | None = None) -> dict[str, bool | int]:
     """The `budget` fields of a DeepSpeed config (the dict the Trainer or accelerate holds): ZeRO
     stage 1 shards the optimizer state over the data-parallel ranks, 2 the gradients too, 3 the
     weights as well (each module's gathered in its forward, as FSDP's); `offload_optimizer`
     keeps the optimizer state and the fp32 gradient partitions in host memory, `offload_param`
-    the weights. Raises ValueError naming what it refuses."""
+    the weights; and the engine's gradient reduce buckets (`zero_buffer_bytes`). `hidden_size`:
+    the model's, which an "auto" bucket size is made of. Raises ValueError naming what it refuses."""
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     refused = []
@@ -65,7 +66,38 @@ def zero_budget(config: dict[str, Any]) -> dict[str, bool]:
         refused.append(f"zero_optimization.offload_param needs stage 3, got stage {stage}")
     if refused:
         raise ValueError("DeepSpeed: " + "; ".join(refused))
-    return {"fsdp": stage == 3, "shard_optimizer": stage >= 1, "shard_gradients": stage >= 2, **offloaded}
+    buffers = zero_buffer_bytes(config, hidden_size)
+    return {"fsdp": stage == 3, "shard_optimizer": stage >= 1, "shard_gradients": stage >= 2, **offloaded, "engine_buffer_bytes": buffers}
+
+
+_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size, in elements
+_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+def zero_buffer_bytes(config: dict[str, Any], hidden_size: int | None = None) -> int:
+    """The device bytes of ZeRO's gradient reduce buckets (`contiguous_gradients`, on by default),
+    `reduce_bucket_size` elements each: stage 3 allocates one when the engine is made and keeps it,
+    stages 1 and 2 one as each backward begins, with the activations at their peak (two with
+    `overlap_comm`, off by default below stage 3). Their dtype is the communication's
+    (`communication_data_type`) at stage 3, else the weights' (2 bytes under `bf16` or `fp16`;
+    4 where that is "auto", the larger). An "auto" size is `hidden_size` squared, as the Trainer
+    and accelerate fill it. Raises ValueError where it is "auto" and `hidden_size` is not given."""
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage == 0 or zero.get("contiguous_gradients", True) is False:
+        return 0
+    size = zero.get("reduce_bucket_size", _BUCKET)
+    if size == "auto":
+        if hidden_size is None:
+            raise ValueError("DeepSpeed: zero_optimization.reduce_bucket_size='auto': pass the model's hidden_size to price it")
+        size = hidden_size * hidden_size
+    if not isinstance(size, (int, float)) or size <= 0:
+        raise ValueError(f"DeepSpeed: zero_optimization.reduce_bucket_size={size!r}: expected a positive number of elements or 'auto'")
+    half = any((config.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16"))
+    dtype = config.get("communication_data_type") if stage == 3 else None
+    width = _DTYPE_BYTES.get(dtype, 2 if half else 4)
+    count = 1 if stage == 3 or not zero.get("overlap_comm", False) else 2
+    return int(size) * width * count
 
 
 def engine(state: Any) -> str | None:
@@ -74,23 +106,24 @@ def engine(state: Any) -> str | None:
     return next((name for name in ("fsdp", "deepspeed") if getattr(state, f"{name}_plugin", None) is not None), None)
 
 
-def engine_budget(state: Any) -> dict[str, bool]:
-    """The `budget` fields of the sharding engine accelerate runs (`engine`); {} for none."""
+def engine_budget(state: Any, hidden_size: int | None = None) -> dict[str, bool | int]:
+    """The `budget` fields of the sharding engine accelerate runs (`engine`) for a model of
+    `hidden_size`; {} for none."""
     name = engine(state)
     if name == "fsdp":
         return fsdp_budget(state.fsdp_plugin)
     if name == "deepspeed":
-        return zero_budget(state.deepspeed_plugin.deepspeed_config)
+        return zero_budget(state.deepspeed_plugin.deepspeed_config, hidden_size)
     return {}
 
 
-def trainer_budget(args: Any, state: Any) -> dict[str, bool]:
+def trainer_budget(args: Any, state: Any, hidden_size: int | None = None) -> dict[str, bool | int]:
     """The `budget` fields of the sharding engine the Trainer really runs (`engine_budget`).
     Training arguments that ask for FSDP or DeepSpeed while the Trainer runs neither (accelerate
     enables them only on accelerator devices; on CPU it runs DistributedDataParallel) are named in
     a warning: the plugin then prices what runs."""
     if engine(state) is not None:
-        return engine_budget(state)
+        return engine_budget(state, hidden_size)
     asked = [name for name in ("fsdp", "deepspeed") if getattr(args, name, None)]
     if asked:
         runs = getattr(getattr(state, "distributed_type", None), "value", "no distributed engine")

@@ -191,7 +191,7 @@ class Provisioner:
         )
         budget = recipe.budget
         # else the recipe's number, or a sharding engine's formula (its shards are not the parameters' storages)
-        engine = budget.fsdp or budget.shard_gradients or budget.offload_optimizer
+        engine = budget.fsdp or budget.shard_gradients or budget.offload_optimizer or budget.engine_buffer_bytes
         measured = budget.non_activation_bytes == "auto" and not engine
         self.static = StaticMemory(adapter.model, self.ledger) if measured else None
         # the cost model of each kind of forward (`runtime.boundaries.ForwardKind`: attention with a
