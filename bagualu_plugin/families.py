@@ -29,6 +29,8 @@ class FamilyTraits:
     qk_norm: bool = False  # per-head q/k RMSNorms whatever the config says (else config.use_qk_norm)
     norm_topk_prob: bool = False  # renormalises the top-k weights whatever the config says
     mla: bool = False  # multi-head latent attention (low-rank q and kv, decoupled RoPE part)
+    bias_field: str = "attention_bias"  # the config flag that gives the projections `biased` a bias
+    biased: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     # behaviour the cost model and the runtime read ------------------------------------------
     shared_expert_first: bool = False  # the shared expert runs before the router
     shared_expert_gated: bool = False  # the MoE block's forward scales it by sigmoid(shared_expert_gate(x))
@@ -37,7 +39,7 @@ class FamilyTraits:
     router_topk_softmax: bool = False  # softmax over the top-k logits only, handed on as the weights
     norm_multiplies_fp32: bool = False  # RMSNorm multiplies its weight in FP32, not the model dtype
     attention_sinks: bool = False  # learned per-head sinks: one more logit column per row
-    expert_bias: bool = False  # expert linears have biases, gathered per pair by expert id
+    expert_bias: bool = False  # expert linears and the router have biases, the experts' gathered per pair by expert id
     expert_act_saves: int = 1  # expert-width tensors the expert activation keeps per pair
 
     @property
@@ -56,6 +58,7 @@ FAMILIES: dict[str, FamilyTraits] = {
             "glm4_moe",
             shared=("shared_experts",),
             qkv_last=("k_norm", "v_proj"),
+            biased=("q_proj", "k_proj", "v_proj"),
             num_experts_field="n_routed_experts",
             shared_width=("n_shared_experts", "moe_intermediate_size"),
             dense_layers_field="first_k_dense_replace",
@@ -67,6 +70,7 @@ FAMILIES: dict[str, FamilyTraits] = {
             "deepseek_v3",
             shared=("shared_experts",),
             qkv_last=("kv_b_proj",),
+            biased=("q_a_proj", "kv_a_proj_with_mqa", "o_proj"),
             num_experts_field="n_routed_experts",
             shared_width=("n_shared_experts", "moe_intermediate_size"),
             dense_layers_field="first_k_dense_replace",
@@ -79,6 +83,8 @@ FAMILIES: dict[str, FamilyTraits] = {
         FamilyTraits(
             "qwen2_moe",
             shared=("shared_expert", "shared_expert_gate"),
+            bias_field="qkv_bias",
+            biased=("q_proj", "k_proj", "v_proj"),
             shared_width=("shared_expert_intermediate_size",),
             dense_layers_field="mlp_only_layers",
             shared_expert_first=True,

@@ -435,3 +435,25 @@ def test_fsdp_with_expert_parallelism_is_refused():
     data["budget"]["fsdp"] = True
     with pytest.raises(RecipeError, match=r"budget\.fsdp: FSDP shards the experts itself: parallel\.ep must be 1, got 8"):
         Recipe.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    ("family", "config"),
+    [
+        ("qwen3_moe", {}), ("qwen3_moe", {"attention_bias": True}), ("qwen2_moe", {}), ("qwen2_moe", {"qkv_bias": False}),
+        ("deepseek_v3", {"attention_bias": True}), ("deepseek_v3", {"attention_bias": True, "q_lora_rank": None}),
+        ("glm4_moe", {}), ("glm4_moe", {"attention_bias": True}), ("mixtral", {}), ("gpt_oss", {}),
+    ],
+)
+def test_parameters_counted_are_the_models(family, config):
+    """The parameters the static bytes are priced from (`CostModel.parameter_counts`, per block)
+    and the model's total (`param_count`) are the checkpoint's own: biases where its config
+    gives them (GLM-4.5's q/k/v, Qwen2-MoE's, gpt-oss's, its experts' and router's), sinks, the
+    shared expert's gate, the final norm once."""
+    from bagualu_plugin.adapters import tiny_model
+    from bagualu_plugin.costmodel.dims import param_count
+
+    model = tiny_model(family, num_hidden_layers=3, **config)
+    dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
+    real = sum(p.numel() for p in model.parameters())
+    assert sum(CostModel.from_config(dims, "cpu").parameter_counts()) == param_count(dims) == real

@@ -19,8 +19,9 @@ _TINY = {"hidden_size": 64, "num_attention_heads": 4, "vocab_size": 128, "num_ex
          "dtype": "fp32"}
 # The model section a user writes for each tiny model as recipes/bagualu/ does, from its config.json
 # (adapters/tiny.py): GLM-4 rotates half of each head (partial_rotary_factor 0.5) and renormalises
-# its top-k weights; DeepSeek-V3's attention is latent (MLA); Qwen2-MoE's shared expert is 48 wide;
-# Mixtral renormalises; gpt-oss alternates sliding and full attention, eager, its RoPE table half-width.
+# its top-k weights; DeepSeek-V3's attention is latent (MLA); Qwen2-MoE's shared expert is 48 wide,
+# its q/k/v biased; Mixtral renormalises; gpt-oss alternates sliding and full attention, eager, its
+# RoPE table half-width, its projections biased.
 SECTIONS = {
     "glm4_moe": {**_TINY, "num_layers": 3, "num_key_value_heads": 2, "head_dim": 16, "shared_expert_intermediate_size": 32,
                  "first_k_dense": 1, "dense_intermediate_size": 96, "norm_topk_prob": True, "partial_rotary": True, "rope_dim": 8},
@@ -28,12 +29,12 @@ SECTIONS = {
                     "first_k_dense": 1, "dense_intermediate_size": 96, "norm_topk_prob": True,
                     "mla": {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 24}},
     "qwen2_moe": {**_TINY, "num_layers": 3, "num_key_value_heads": 2, "head_dim": 16, "shared_expert_intermediate_size": 48,
-                  "first_k_dense": 1, "dense_intermediate_size": 96},
+                  "first_k_dense": 1, "dense_intermediate_size": 96, "attention_bias": True},
     "qwen3_moe": {**_TINY, "num_layers": 3, "num_key_value_heads": 2, "head_dim": 16, "first_k_dense": 1, "dense_intermediate_size": 96,
                   "qk_norm": True},
     "mixtral": {**_TINY, "num_layers": 2, "num_key_value_heads": 2, "head_dim": 16, "norm_topk_prob": True},
     "gpt_oss": {**_TINY, "num_layers": 2, "num_key_value_heads": 2, "head_dim": 16, "rope_dim": 8, "attention": "eager",
-                "layer_types": ["sliding_attention", "full_attention"]},
+                "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True},
 }
 
 

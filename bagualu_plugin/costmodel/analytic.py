@@ -368,7 +368,7 @@ def _router(blk: _Block, h_in: str) -> str:
         blk.save("router", blk.tensor("router.topk_raw", "router", blk.tok(k), r), when=grad)
         blk.save("router", blk.tensor("router.topk_sum", "router", blk.tok(1), r), when=grad)
     blk.op("router", (h_in,), blk.tok(2 * h * E), LinearForm(const=E * h * _F32) + blk.tok(h * b + 3 * E * _F32), kernels=10)
-    blk.expert_params += E * h
+    blk.expert_params += E * h + (E if d.traits.expert_bias else 0)
     if d.traits.router_topk_softmax:
         return "router.topk_softmax"
     return blk.tensor("topk_weights", "router", blk.tok(k), r if d.traits.routing_weights_fp32 else b, grad=grad)
@@ -440,7 +440,7 @@ def _moe(blk: _Block, h_in: str) -> None:
         LinearForm(const=local * inter * h * b) + blk.pair((inter + 3 * h) * b),
         kernels=5,
     )
-    blk.expert_params += local * 3 * h * inter
+    blk.expert_params += local * (3 * h * inter + (2 * inter + h if d.traits.expert_bias else 0))
     if blk.par.dispatches:  # the weighted rows back, in the weights' dtype (the product's), summed over slots
         blk.save("combine", "router.topk_index", when=fc2_grad or weighted)
         blk.comm("combine", ("router.topk_index",), h * max(b, width))
@@ -595,7 +595,7 @@ def lm_head(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
     blk.save("loss", blk.tensor("loss.hidden", "final_norm", blk.tok(h), blk.b))  # final_norm.out, read by the chunks
     blk.save("loss", blk.tensor("loss.lse", "loss", LinearForm(per_token=1), _F32))
     blk.op("loss", ("logits", "labels", "loss.hidden"), blk.tok(5 * v), blk.tok(v * (blk.b + 3 * _F32)), kernels=6)
-    blk.dense_params += h + v * h // par.tp
+    blk.dense_params += v * h // par.tp  # the final norm's are its op's
     paths = {"final_norm.out": False, "loss.logprobs": False, "loss.hidden": True, "loss.lse": True}
     block = blk.build()
     return replace(block, tensors=tuple(replace(t, chunked=paths.get(t.name)) for t in block.tensors))
@@ -627,7 +627,7 @@ def _trl_fused_head(blk: _Block) -> BlockGraph:
     blk.op("lm_head", ("final_norm.out",), LinearForm(), LinearForm(), kernels=0)  # inside TRL's function: "loss"
     weights = LinearForm(const=h * v * b / blk.par.tp)  # read in forward, and again to recompute the tiles in backward
     blk.op("loss", ("final_norm.out",), LinearForm(per_token=6 * h * v), weights + rows * (h * b + 4 * _F32), kernels=8)
-    blk.dense_params += h + v * h // blk.par.tp
+    blk.dense_params += v * h // blk.par.tp  # the final norm's are its op's
     return blk.build()
 
 

@@ -83,6 +83,7 @@ class ModelDims(_Strict):
     first_k_dense: int = Field(default=0, ge=0, description="leading layers with a dense MLP")
     dense_intermediate_size: int = Field(default=0, ge=0)
     qk_norm: bool = False
+    attention_bias: bool = Field(default=False, description="the family's biased attention projections have a bias")
     norm_topk_prob: bool = Field(default=False, description="top-k routing weights renormalised to sum 1")
     partial_rotary: bool = Field(
         default=False,
@@ -223,6 +224,7 @@ class ModelDims(_Strict):
             first_k_dense=dense or 0,
             dense_intermediate_size=get("intermediate_size") if dense else 0,
             qk_norm=traits.qk_norm or bool(get("use_qk_norm", False)),
+            attention_bias=bool(get(traits.bias_field, False)),
             norm_topk_prob=traits.norm_topk_prob or bool(get("norm_topk_prob", False)),
             partial_rotary=rotary < 1,
             rope_dim=rope_dim if rope_dim != head_dim else None,  # None: head_dim, as a recipe says it
@@ -255,7 +257,15 @@ class Parallel(_Strict):
 
 
 def attention_params(d: ModelDims) -> int:
-    """Weights of one attention block (projections and q/k norms), without its input norm."""
+    """Weights of one attention block (projections, their biases, q/k norms and sinks), without
+    its input norm."""
+    shapes = lora_shapes(d, moe=False)
+    biases = sum(shapes[f"self_attn.{p}"][1] for p in d.traits.biased if f"self_attn.{p}" in shapes) if d.attention_bias else 0
+    return _projections(d) + biases + (d.num_attention_heads if d.traits.attention_sinks else 0)
+
+
+def _projections(d: ModelDims) -> int:
+    """The attention projections' weights, with the q/k norms (MLA's low-rank norms included)."""
     h, nh, nkv, hd = d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim
     if d.mla is not None:
         m = d.mla
@@ -322,6 +332,8 @@ def param_count(d: ModelDims, active: bool = False, trainable: bool = False) -> 
     mlp = 3 * h  # gate, up and down projections per unit of intermediate size
     experts = d.top_k if active else d.num_experts
     moe = mlp * d.moe_intermediate_size * experts + mlp * d.shared_expert_intermediate_size + h * d.num_experts
+    moe += h if d.traits.shared_expert_gated else 0  # Qwen2-MoE's sigmoid gate
+    moe += experts * (2 * d.moe_intermediate_size + h) + d.num_experts if d.traits.expert_bias else 0
     dense = mlp * d.dense_intermediate_size
     per_layer = attention_params(d) + 2 * h
     n_moe = d.num_layers - d.first_k_dense
