@@ -72,6 +72,42 @@ def test_an_op_that_saves_more_than_its_cost_model_is_named_once_and_planned_for
     assert corrected.activation_bytes(BATCH * SEQ, seq_len=SEQ) == cm.activation_bytes(BATCH * SEQ, seq_len=SEQ) + extra
 
 
+def test_an_excess_saved_outside_the_ops_regions_is_planned_as_kept_whatever_the_plan():
+    """A tensor saved after the last MoE layer's experts return (their module's forward wrapped
+    from outside, where the experts' recompute regions do not reach) is charged to expert_fc2.
+    Planned first as the op's own, it stays when a plan mitigates the op: the second correction
+    keeps it whatever the plan, and from then on every micro-batch keeps what it predicts."""
+    model = tiny_model("qwen3_moe", num_hidden_layers=4)
+    experts = model.model.layers[3].mlp.experts
+    cm = model_cost(model)
+    capacity = int(0.7 * cm.activation_bytes(BATCH * SEQ, seq_len=SEQ))
+    prov = bgl.apply(model, {"hardware": {"capacity_bytes": capacity}, "budget": {"non_activation_bytes": 0}, "strategies": EXACT,
+                             "pipeline": {"micro_batches": MICRO_BATCHES}})
+    forward = experts.forward
+
+    def more(*args, **kwargs):
+        output = forward(*args, **kwargs)
+        return output + output.exp() * 0
+
+    experts.forward = more
+    g = torch.Generator().manual_seed(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(STEPS):
+                for _ in range(MICRO_BATCHES):
+                    ids = torch.randint(0, 128, (BATCH, SEQ), generator=g)
+                    (model(input_ids=ids, labels=ids.clone()).loss / MICRO_BATCHES).backward()
+    finally:
+        del experts.forward
+        prov.remove()
+    events = list(prov.events)
+    assert all(e.plan for e in events) and prov.peak_device_bytes <= capacity
+    extra = BATCH * SEQ * model.config.hidden_size * 4
+    assert [(m.op, m.measured - m.predicted) for m in events[0].misses] == [("3.expert_fc2", extra)]
+    assert all(e.misses == [] for e in events[2:]), [e.misses for e in events]
+
+
 def _sliced_loop(lora: bool) -> tuple[list, int, int]:
     """A plain loop over micro-batches sliced from one batch tensor (`for ids in batch`), at a
     capacity that forces plans, every bagualu warning an error: (events, peak, capacity)."""

@@ -195,13 +195,16 @@ class CostModel:
                     out[OpId(i, t.producer)] = out.get(OpId(i, t.producer), 0.0) + t.bytes(loads[i])
         return out
 
-    def with_saved(self, op: OpId, bytes_per_token: float) -> CostModel:
+    def with_saved(self, op: OpId, bytes_per_token: float, kept: bool = False) -> CostModel:
         """This cost model, with `op` saving `bytes_per_token` more per token than its graph says
         (what the Ledger measured it keep beyond: `runtime.calibration`), as one more tensor it
-        makes and saves: recomputing or offloading the op takes those bytes away too."""
+        makes and saves: recomputing or offloading the op takes those bytes away too, unless
+        `kept` (measured while the op was mitigated: what saves them is outside its regions)."""
         block = self.blocks[op.layer]
         block.op(op.name)  # a KeyError naming the op where the block has none
-        extra = TensorSpec(f"{op.name}.measured{len(block.tensors)}", op.name, (op.name,), LinearForm(per_token=bytes_per_token), 1)
+        extra = TensorSpec(
+            f"{op.name}.measured{len(block.tensors)}", op.name, (op.name,), LinearForm(per_token=bytes_per_token), 1, shared=kept,
+        )
         blocks = {**self.blocks, op.layer: replace(block, tensors=(*block.tensors, extra))}
         return CostModel(blocks, self.hardware, self.pairs_per_token, self.name, self.source)
 
