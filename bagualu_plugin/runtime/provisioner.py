@@ -190,7 +190,8 @@ class Provisioner:
             capacity_bytes=recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes if recipe.hardware.simulated else None,
         )
         budget = recipe.budget
-        # else the recipe's number, or a sharding engine's formula (its shards are not the parameters' storages)
+        # else the recipe's number, or a sharding engine's formula (its shards are not the parameters' storages;
+        # ZeRO at any stage has reduce buckets, so its optimizer partitions are priced at stage 1 too)
         engine = budget.fsdp or budget.shard_gradients or budget.offload_optimizer or budget.engine_buffer_bytes
         measured = budget.non_activation_bytes == "auto" and not engine
         self.static = StaticMemory(adapter.model, self.ledger) if measured else None
