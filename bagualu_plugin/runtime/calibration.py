@@ -98,7 +98,7 @@ class Calibration:
         owners = [op for op in differ if isinstance(op, OpId) and op.layer in cm.blocks]
         if excess > 0 and owners:
             op = max(owners, key=lambda op: measured.get(op, 0) - predicted.get(op, 0))
-            return misses, cm.with_saved(op, excess / tokens, kept=op in plan)  # mitigated, and kept anyway
+            return misses, cm.with_saved(op, excess / tokens, kept=plan.get(op, "keep") != "keep")  # mitigated, and kept anyway
         return misses, cm
 
     def _prediction(
