@@ -15,6 +15,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ..costmodel.dims import DTYPE_BYTES
+
 _ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -71,7 +73,6 @@ def zero_budget(config: dict[str, Any], hidden_size: int | None = None) -> dict[
 
 
 _BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size, in elements
-_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
 
 def zero_buffer_bytes(config: dict[str, Any], hidden_size: int | None = None) -> int:
@@ -95,7 +96,7 @@ def zero_buffer_bytes(config: dict[str, Any], hidden_size: int | None = None) ->
         raise ValueError(f"DeepSpeed: zero_optimization.reduce_bucket_size={size!r}: expected a positive number of elements or 'auto'")
     half = any((config.get(name) or {}).get("enabled") is True for name in ("bf16", "fp16"))
     dtype = config.get("communication_data_type") if stage == 3 else None
-    width = _DTYPE_BYTES.get(dtype, 2 if half else 4)
+    width = DTYPE_BYTES.get(dtype, 2 if half else 4)
     count = 1 if stage == 3 or not zero.get("overlap_comm", False) else 2
     return int(size) * width * count
 

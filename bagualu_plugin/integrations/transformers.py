@@ -28,12 +28,12 @@ from __future__ import annotations
 import inspect
 from contextlib import ExitStack
 
-import torch
 from accelerate.state import AcceleratorState
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from ..adapters import Adapter
+from ..adapters.costs import DTYPES
 from ..costmodel import CostModel
 from ..derive import PartialRecipe, derive_recipe
 from ..runtime.boundaries import ForwardKind
@@ -164,8 +164,7 @@ def _autocast(model, accelerator: AcceleratorState | None) -> bool:
     over a BF16 checkpoint, TRL's default): accelerate enters it inside the model's forward,
     where no pre-hook of the model sees it."""
     precision = getattr(accelerator, "mixed_precision", "no") if accelerator is not None else "no"
-    wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(precision))
-    return wanted is not None and next(Adapter(model).decoder.parameters()).dtype == wanted
+    return DTYPES.get(next(Adapter(model).decoder.parameters()).dtype) == str(precision)  # "no" for FP32
 
 
 def _fused_head(model) -> bool:
