@@ -1,7 +1,9 @@
 """Randomised sweep of what users' trainers do, against the plugin's promise: every case trains
 with its peak at or under the capacity and no out-of-memory error, or is refused before training
 with the bytes; and every micro-batch keeps what its kind's cost model predicts for its plan
-(`Event.misses` empty; `runtime.calibration` reports any other difference).
+(`Event.misses` empty; `runtime.calibration` reports any other difference) and none moves
+activations to host memory to stay under the capacity (`Event.spilled_bytes` 0: the last resort of
+a plan made for less than its forward keeps, which an exact plan never needs).
 
 A case draws a family, a trainer (TRL's SFTTrainer, HF's Trainer with its language-modelling
 collator, or a plain loop with `bgl.apply`), PEFT LoRA or not, the per-device batch, the longest
@@ -61,7 +63,7 @@ class Case:
 @dataclass
 class Outcome:
     case: Case
-    result: str  # fits, refused, out_of_memory, misses, error
+    result: str  # fits, refused, out_of_memory, spilled, misses, error
     detail: str = ""
     micro_batches: int = 0
     mitigated: int = 0  # micro-batches whose plan mitigated something
@@ -178,6 +180,8 @@ def run(case: Case, root: Path) -> Outcome:
                       peak=prov.peak_device_bytes, capacity=capacity)
     if prov.peak_device_bytes > capacity:
         outcome.result, outcome.detail = "out_of_memory", f"peak {prov.peak_device_bytes} over {capacity}"
+    elif any(e.spilled_bytes for e in events):
+        outcome.result, outcome.detail = "spilled", str([(e.micro_batch, e.spilled_bytes) for e in events if e.spilled_bytes][:4])
     elif missed:
         outcome.result, outcome.detail = "misses", str(missed[:2])[:300]
     return outcome
@@ -209,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     from bagualu_plugin.report import table
 
     counts = Counter(o.result for o in outcomes)
-    print(table(["result", "cases"], [[r, counts[r]] for r in ("fits", "refused", "out_of_memory", "misses", "error")]))
+    print(table(["result", "cases"], [[r, counts[r]] for r in ("fits", "refused", "out_of_memory", "spilled", "misses", "error")]))
     by = Counter((o.case.family, o.case.trainer, o.result) for o in outcomes)
     print(table(["family", "trainer", "result", "cases"], [[*k, v] for k, v in sorted(by.items())]))
     bad = [o for o in outcomes if o.result not in ("fits", "refused")]

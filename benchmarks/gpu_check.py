@@ -431,6 +431,34 @@ for _plan_name, _plan_of in (("keep", lambda model: Plan()), ("offload", all_off
     check(f"ledger vs memory_allocated: {_plan_name}")(_ledger_check)
 
 
+@check("ledger: a save past spill_at moves kept activations to the host, bitwise; the allocator frees them")
+def ledger_spill(ctx: Context):
+    model = model_on(ctx, "qwen3_moe", attention="sdpa")
+    ids = ctx.ids(4, ctx.seq(256), seed=6)
+    runtime = PlanRuntime(model).install()
+    try:
+        reference = step(model, ids, runtime)  # keep: every activation on the device (and the warm-up)
+        kept = runtime.ledger.peak_device_bytes
+        runtime.ledger.spill_at = kept * 6 // 10
+        model.zero_grad(set_to_none=True)
+        ctx.settle()
+        before = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
+        runtime.ledger.micro_batch = 1
+        with runtime.forward():
+            loss = model(input_ids=ids, labels=ids).loss
+        ctx.settle()
+        allocated = torch.cuda.memory_allocated(ctx.device) - before if ctx.cuda else runtime.ledger.live_device_bytes
+        counted, spilled = runtime.ledger.live_device_bytes, runtime.ledger.spilled_bytes
+        loss.backward()
+        got = loss.detach().clone(), [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+    finally:
+        runtime.remove()
+    error = abs(counted - allocated) / max(allocated, 1)
+    return (f"kept {kept} B, spill_at {kept * 6 // 10} B: {spilled} B moved",
+            f"ledger {counted} B, allocator {allocated} B ({error:.2%} apart, limit 5%)",
+            spilled > 0 and counted <= kept * 6 // 10 and error <= 0.05 and exact(got, reference))
+
+
 @check("ledger: model's device, allocator peak reset")
 def ledger_device(ctx: Context):
     ctx.need_cuda()

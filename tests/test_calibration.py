@@ -5,6 +5,8 @@ on what it kept."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import warnings
 
 import pytest
@@ -106,6 +108,76 @@ def test_an_excess_saved_outside_the_ops_regions_is_planned_as_kept_whatever_the
     extra = BATCH * SEQ * model.config.hidden_size * 4
     assert [(m.op, m.measured - m.predicted) for m in events[0].misses] == [("3.expert_fc2", extra)]
     assert all(e.misses == [] for e in events[2:]), [e.misses for e in events]
+
+
+def _experts_saving_more(model, copies: int) -> None:
+    """The last MoE layer's experts, now also saving `copies` times their output's size (charged
+    to expert_fc2, after the layer's gate: the last decision point of a forward)."""
+    experts = model.model.layers[-1].mlp.experts
+    forward = experts.forward
+
+    def more(*args, **kwargs):
+        output = forward(*args, **kwargs)
+        return output + output.expand(copies, *output.shape).exp().sum(0) * 0
+
+    experts.forward = more
+
+
+def _train(model) -> list[torch.Tensor]:
+    g, losses = torch.Generator().manual_seed(0), []
+    for _ in range(STEPS):
+        for _ in range(MICRO_BATCHES):
+            ids = torch.randint(0, 128, (BATCH, SEQ), generator=g)
+            loss = model(input_ids=ids, labels=ids.clone()).loss / MICRO_BATCHES
+            loss.backward()
+            losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize(("copies", "fraction"), [(8, 0.4), (4, 0.6)])
+def test_an_excess_after_the_last_gate_moves_kept_activations_to_the_host_and_stays_exact(copies, fraction):
+    """No gate is left to take the excess from its slack: the save that would run out of memory
+    first moves activations kept earlier to host memory (`Ledger.spill_at`). No out-of-memory
+    error, losses and gradients bitwise those of the same model without the plugin, one warning,
+    and planned for from then on, with recompute the only strategy plans may use too. Without the
+    move the same run runs out of memory."""
+    model = tiny_model("qwen3_moe", num_hidden_layers=4)
+    plain = copy.deepcopy(model)
+    _experts_saving_more(plain, copies)
+    reference = _train(plain)
+    capacity = int(fraction * model_cost(model).activation_bytes(BATCH * SEQ, seq_len=SEQ))
+    recipe = {"hardware": {"capacity_bytes": capacity}, "budget": {"non_activation_bytes": 0}, "strategies": EXACT,
+              "pipeline": {"micro_batches": MICRO_BATCHES}}
+    prov = bgl.apply(model, recipe)
+    _experts_saving_more(model, copies)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            losses = _train(model)
+    finally:
+        prov.remove()
+    assert all(map(torch.equal, losses, reference))
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()) if q.grad is not None)
+    events = list(prov.events)
+    assert prov.peak_device_bytes <= capacity and events[0].spilled_bytes > 0
+    assert all(e.spilled_bytes == 0 for e in events[2:]), [e.spilled_bytes for e in events]
+    assert prov.ledger.live_host_bytes == 0  # every copy came back, or went with its graph
+    moved = [str(w.message) for w in caught if "moved to host memory" in str(w.message)]
+    assert len(moved) == 1 and "micro-batch 0" in moved[0], moved
+
+    for spill in (True, False):
+        model = tiny_model("qwen3_moe", num_hidden_layers=4)
+        prov = bgl.apply(model, {**recipe, "strategies": {"allowed": ["recompute"]}})
+        if not spill:
+            prov.ledger.spill_at = None
+        _experts_saving_more(model, copies)
+        try:
+            with warnings.catch_warnings(), contextlib.nullcontext() if spill else pytest.raises(torch.OutOfMemoryError):
+                warnings.simplefilter("ignore")
+                _train(model)
+        finally:
+            prov.remove()
+        assert not spill or (prov.peak_device_bytes <= capacity and prov.events[0].spilled_bytes > 0)
 
 
 def _sliced_loop(lora: bool) -> tuple[list, int, int]:

@@ -465,3 +465,55 @@ def test_a_ledger_can_record_its_first_overrun_instead_of_raising():
     assert ledger.take_overrun() is None and ledger.peak_device_bytes == 3 * 1024 + 2048  # and it went on counting
     with pytest.raises(ValueError, match="on_overrun"):
         ledger.on_overrun = "ignore"
+
+
+# ---------------------------------------------------------------- spilling past the capacity
+
+
+def _sines(x: torch.Tensor) -> torch.Tensor:
+    """Four sines: each saves its input (x, then three intermediates the forward drops at once)."""
+    return x.sin().sin().sin().sin()
+
+
+def test_a_save_past_spill_at_moves_the_earliest_activations_only_the_graph_holds_to_the_host():
+    x = torch.randn(8, requires_grad=True)  # 32 bytes; the caller holds x: moving its saved copy frees nothing
+    reference = torch.autograd.grad(_sines(x).sum(), x)[0]
+    ledger = Ledger(capacity_bytes=96, current_op=lambda: "sine")
+    ledger.spill_at = 96
+    with ledger.track():
+        y = _sines(x)  # x, a1, a2 fit; saving a3 moves a1, the earliest only the graph holds, to the host
+    assert (ledger.live_device_bytes, ledger.live_host_bytes, ledger.spilled_bytes) == (96, 32, 32)
+    assert [r.residency for r in ledger.records()] == ["device", "device", "device", "spilled"]
+    assert ledger.by_op("spilled") == {"sine": 32} and ledger.peak_device_bytes == 96
+    (grad,) = torch.autograd.grad(y.sum(), x)  # a1 comes back when backward reaches it: a3 and a2 are gone
+    assert torch.equal(grad, reference)
+    assert (ledger.live_device_bytes, ledger.live_host_bytes, ledger.peak_device_bytes) == (0, 0, 96) and not ledger.records()
+
+
+def test_spilled_activations_of_a_graph_dropped_without_backward_are_released():
+    x = torch.randn(8, requires_grad=True)
+    ledger = Ledger(capacity_bytes=96)
+    ledger.spill_at, ledger.micro_batch = 96, 0
+    with ledger.track():
+        y = _sines(x)
+    assert ledger.by_micro_batch("spilled") == {0: 32}
+    ledger.retire(0)  # an abandoned micro-batch's records, the spilled one too, become no micro-batch's
+    assert ledger.by_micro_batch("spilled") == {None: 32}
+    del y
+    assert (ledger.live_device_bytes, ledger.live_host_bytes) == (0, 0) and not ledger.records()
+
+
+def test_what_cannot_be_spilled_still_runs_out_of_memory():
+    x = torch.randn(8, requires_grad=True)
+    held = []
+    ledger = Ledger(capacity_bytes=96)
+    ledger.spill_at = 96
+    with ledger.track(), pytest.raises(SimulatedOutOfMemoryError):  # the forward keeps every activation itself
+        y = x
+        for _ in range(4):
+            y = y.sin()
+            held.append(y)
+    assert ledger.spilled_bytes == 0
+    ledger = Ledger(capacity_bytes=96)  # no spill_at: the capacity alone
+    with ledger.track(), pytest.raises(SimulatedOutOfMemoryError):
+        _sines(x)

@@ -53,7 +53,7 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
             "micro_batch", "phase", "budget", "predicted", "plan", "escalations", "deferred", "tokens", "seq_len",
             "room_bytes", "planner_s", "capacity", "forward", "mitigation_s", "mitigated", "actual", "peak_device_bytes",
             "device_bytes", "live_after_backward", "point", "routed", "balanced_pairs", "kind", "misses", "ids_view_bytes",
-            "varlen_bytes",
+            "varlen_bytes", "spilled_bytes",
         ]
         assert all(list(e) == fields for e in lines)
         assert all(e["capacity"] == capacity for e in lines) and sorted(e["forward"] for e in lines) == list(range(6))
@@ -63,7 +63,7 @@ def test_adaptive_stage_fits_where_unmitigated_runs_out_of_memory(tmp_path):
             routed, plan = list(e["routed"].values()), {OpId.parse(op): s for op, s in e["plan"].items()}
             taken = cm.activation_bytes(BATCH * SEQ, routed, SEQ) - cm.activation_bytes(BATCH * SEQ, routed, SEQ, plan)
             assert sum(e["mitigated"].values()) == pytest.approx(taken) and (e["mitigation_s"] > 0) == bool(plan)
-        assert all(e["misses"] == [] for e in lines)  # every op kept what the cost model predicts
+        assert all(e["misses"] == [] and e["spilled_bytes"] == 0 for e in lines)  # every op kept what the cost model predicts
         # the routing each MoE gate saw (what `bagualu simulate --trace` replays)
         assert all(list(e["routed"]) == [str(layer) for layer in cm.moe_layers] and all(e["routed"].values()) for e in lines)
         assert all(e["balanced_pairs"] == BATCH * SEQ * cm.pairs_per_token for e in lines)

@@ -29,9 +29,10 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
-Residency = Literal["device", "host"]
+Residency = Literal["device", "host", "spilled"]
 OnOverrun = Literal["raise", "record"]
-_RESIDENCIES: tuple[Residency, ...] = ("device", "host")
+_RESIDENCIES: tuple[Residency, ...] = ("device", "host", "spilled")
+_RECORDED: tuple[Residency, ...] = ("device", "host")  # what a saver keeps; "spilled" is the Ledger's own move
 StorageKey = tuple[torch.device, int]
 
 
@@ -91,6 +92,8 @@ _new_record = tuple.__new__  # a Record without the Python frame of its generate
 class _Live:
     record: Record
     holders: list = field(default_factory=list)  # weak references to its recorded tensor objects
+    packed: bool = False  # every holder is a `Ledger.pack` alias, which `Ledger.unpack` hands to backward
+    spilled: tuple[torch.UntypedStorage, torch.Tensor] | None = None  # its storage, emptied, and the host copy (`Ledger._spill`)
 
 
 def model_device(tensors: Iterable[torch.Tensor]) -> torch.device:
@@ -205,6 +208,11 @@ class Ledger:
     others blocked in the next all-to-all. With "record" the caller checks at a step boundary,
     with every rank at once (the demo all-reduces it), and every rank raises at the same step.
 
+    ``spill_at``: device bytes, ``static_bytes`` included, that no new device record may take the
+    count past while activations kept earlier can make room: they move to host memory first
+    (`_spill`), the last resort of a plan made for less than its forward keeps. None (the
+    default): nothing moves, and only the capacity is enforced.
+
     ``device``: the compute device (saved CPU tensors count as host memory under a CUDA one, the
     allocator is read there); by default the device of the excluded parameters, looked up again
     by `refresh` (a model moved with `.cuda()` after the ledger was made).
@@ -221,6 +229,8 @@ class Ledger:
                  device: torch.device | str | None = None, on_overrun: OnOverrun = "raise",
                  model: nn.Module | None = None):
         self.capacity_bytes = capacity_bytes
+        self.spill_at: int | None = None
+        self.spilled_bytes = 0  # moved to host by `_spill`, over the ledger's life
         self.on_overrun = on_overrun
         self.overrun: SimulatedOutOfMemoryError | None = None
         self.static_bytes = static_bytes
@@ -237,6 +247,7 @@ class Ledger:
         _ledgers.add(self)
         self.refresh()
         self._live: dict[StorageKey, _Live] = {}
+        self._spilled: dict[int, _Live] = {}  # by the emptied storage's identity (`UntypedStorage._cdata`)
         self._in_flight: deque[tuple[int, object]] = deque()  # (bytes, event) of copies out, oldest first
         self._in_flight_bytes = 0
         self._bytes = dict.fromkeys(_RESIDENCIES, 0)
@@ -351,12 +362,13 @@ class Ledger:
         if found is _UNKNOWN:
             found = _storage(alias)
         if found is not None:
-            self._record(alias, found[0], found[1], "host" if self._host_apart and alias.is_cpu else "device")
+            self._record(alias, found[0], found[1], "host" if self._host_apart and alias.is_cpu else "device", packed=True)
         return alias, alias._version
 
-    @staticmethod
-    def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+    def unpack(self, packed: tuple[torch.Tensor, int]) -> torch.Tensor:
         alias, version = packed
+        if self._spilled:
+            self._restore(alias)
         if alias._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
@@ -407,14 +419,15 @@ class Ledger:
         capacity it raises before counting anything (``on_overrun="record"``: records the error
         and counts it).
         """
-        if residency not in _RESIDENCIES:
-            raise ValueError(f"residency must be one of {_RESIDENCIES}, got {residency!r}")
+        if residency not in _RECORDED:
+            raise ValueError(f"residency must be one of {_RECORDED}, got {residency!r}")
         found = _storage(tensor)
         if found is not None:
             self._record(tensor, found[0], found[1], residency)
 
-    def _record(self, tensor: torch.Tensor, key: StorageKey, nbytes: int, residency: Residency) -> None:
-        """`record` of a storage found already: the path every saved tensor takes."""
+    def _record(self, tensor: torch.Tensor, key: StorageKey, nbytes: int, residency: Residency, packed: bool = False) -> None:
+        """`record` of a storage found already: the path every saved tensor takes. `packed`:
+        `tensor` is a `pack` alias."""
         # callbacks run before the lock is taken: they may read the ledger
         charged = self._charges.get(key) if self._charges else None
         op = self.current_op() if charged is None else charged[0]
@@ -429,14 +442,16 @@ class Ledger:
             if entry is None:
                 if residency == "device":
                     self._check_capacity(nbytes, op, micro_batch)
-                entry = _Live(_new_record(Record, (key, nbytes, residency, op, micro_batch, tensor.dtype, source, (op,))))
+                entry = _Live(_new_record(Record, (key, nbytes, residency, op, micro_batch, tensor.dtype, source, (op,))), packed=packed)
                 self._live[key] = entry
                 self._bytes[residency] += nbytes
                 if residency == "device":
                     self._count_layer(micro_batch, op, nbytes)
                     self._peak = max(self._peak, self._bytes["device"] + self._in_flight_bytes)
-            elif op not in entry.record.savers:
-                entry.record = entry.record._replace(savers=(*entry.record.savers, op))
+            else:
+                entry.packed = entry.packed and packed
+                if op not in entry.record.savers:
+                    entry.record = entry.record._replace(savers=(*entry.record.savers, op))
             # a weakref callback (not weakref.finalize, 25x dearer): called once, when `tensor` dies
             entry.holders.append(weakref.ref(tensor, lambda ref, entry=entry: self._released.append((entry, ref))))
 
@@ -445,7 +460,7 @@ class Ledger:
         its graph still keeps, while someone holds it, stays counted, as no micro-batch's, so that
         the next micro-batch of that index is measured from nothing."""
         with self._locked():
-            for entry in self._live.values():
+            for entry in (*self._live.values(), *self._spilled.values()):
                 record = entry.record
                 if record.micro_batch == micro_batch:
                     entry.record = record._replace(micro_batch=None)
@@ -513,8 +528,9 @@ class Ledger:
 
     @property
     def live_host_bytes(self) -> int:
+        """Host copies: the savers' (offload) and the Ledger's own (`spill_at`)."""
         with self._locked():
-            return self._bytes["host"]
+            return self._bytes["host"] + self._bytes["spilled"]
 
     @property
     def peak_device_bytes(self) -> int:
@@ -544,9 +560,10 @@ class Ledger:
         return self._group(lambda r: r.micro_batch, residency)
 
     def records(self) -> list[Record]:
-        """Live records, in the order their storages were first recorded."""
+        """Live records, in the order their storages were first recorded (those on the device or
+        the savers' host copies), then those spilled (`spill_at`)."""
         with self._locked():
-            return [entry.record for entry in self._live.values()]
+            return [entry.record for entry in (*self._live.values(), *self._spilled.values())]
 
     def allocated_bytes(self) -> int:
         """Bytes held by the CUDA caching allocator on this device (everything, not activations)."""
@@ -571,9 +588,11 @@ class Ledger:
             entry.holders.remove(ref)
             if not entry.holders:
                 record = entry.record
-                # Evict, so that a new storage at the same address is a new record.
-                evicted = self._live.pop(record.key)
-                assert evicted is entry, record
+                if entry.spilled is not None:
+                    del self._spilled[entry.spilled[0]._cdata]
+                else:  # evict, so that a new storage at the same address is a new record
+                    evicted = self._live.pop(record.key)
+                    assert evicted is entry, record
                 self._bytes[record.residency] -= record.nbytes
                 assert self._bytes[record.residency] >= 0, self._bytes
                 if record.residency == "device":
@@ -590,6 +609,9 @@ class Ledger:
 
     def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
         live = self._bytes["device"] + self._in_flight_bytes
+        if self.spill_at is not None and self.static_bytes + live + nbytes > self.spill_at:
+            self._spill(self.static_bytes + live + nbytes - self.spill_at)
+            live = self._bytes["device"] + self._in_flight_bytes
         if self.capacity_bytes is not None and self.static_bytes + live + nbytes > self.capacity_bytes:
             fields = dict(
                 capacity_bytes=self.capacity_bytes, static_bytes=self.static_bytes, live_bytes=live,
@@ -602,12 +624,77 @@ class Ledger:
             if self.overrun is None:  # "record": the first one, the save that would have failed
                 self.overrun = SimulatedOutOfMemoryError(**fields)
 
+    def _spill(self, needed: int) -> None:
+        """Free `needed` device bytes, or as many as can be: move kept activations to host memory,
+        earliest saved first (backward needs them last), each one that only the graph's saved
+        aliases hold (anything else holding it, the forward's own tensor, would keep the device
+        memory too). The storage itself is emptied, so every saver's alias follows it; `unpack`
+        fills it again (`_restore`). Bitwise: a copy out and back. Runs under the lock."""
+        for key, entry in list(self._live.items()):
+            if needed <= 0:
+                return
+            record = entry.record
+            storage = self._sole(entry) if entry.packed and record.residency == "device" else None
+            if storage is None:
+                continue
+            device = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            host = torch.empty(record.nbytes, dtype=torch.uint8, pin_memory=device.is_cuda)
+            host.copy_(device)  # synchronous: the storage is freed next
+            del device
+            storage.resize_(0)
+            del self._live[key]
+            entry.record, entry.spilled = record._replace(residency="spilled"), (storage, host)
+            self._spilled[storage._cdata] = entry
+            self._move(entry, record.nbytes, "device", "spilled")
+            self.spilled_bytes += record.nbytes
+            needed -= record.nbytes
+
+    @staticmethod
+    def _sole(entry: _Live) -> torch.UntypedStorage | None:
+        """The entry's storage, if its live holders are the only tensors on it (and it can be
+        emptied); else None."""
+        tensors = [t for ref in entry.holders if (t := ref()) is not None]
+        if not tensors:
+            return None
+        storage = tensors[0].untyped_storage()
+        # one reference per tensor object on the storage, and ours, `storage`
+        if not storage.resizable() or torch._C._storage_Use_Count(storage._cdata) != len(tensors) + 1:
+            return None
+        return storage
+
+    def _restore(self, alias: torch.Tensor) -> None:
+        """Backward unpacks `alias`: if `_spill` moved its storage to the host, it comes back (the
+        capacity checked first, as for any device record: others may spill to make room)."""
+        storage = alias.untyped_storage()
+        with self._locked():
+            entry = self._spilled.get(storage._cdata)
+            if entry is None:
+                return
+            record = entry.record
+            self._check_capacity(record.nbytes, record.op, record.micro_batch)
+            host = entry.spilled[1]
+            storage.resize_(record.nbytes)
+            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host)
+            del self._spilled[storage._cdata]
+            if self._released:  # a storage that died before the new memory took its address
+                self._apply_releases()
+            key = (storage.device, storage.data_ptr())
+            entry.record, entry.spilled = record._replace(key=key, residency="device"), None
+            self._live[key] = entry
+            self._move(entry, record.nbytes, "spilled", "device")
+            self._peak = max(self._peak, self._bytes["device"] + self._in_flight_bytes)
+
+    def _move(self, entry: _Live, nbytes: int, before: Residency, after: Residency) -> None:
+        self._bytes[before] -= nbytes
+        self._bytes[after] += nbytes
+        self._count_layer(entry.record.micro_batch, entry.record.op, nbytes if after == "device" else -nbytes)
+
     def _group(self, by: Callable[[Record], object], residency: Residency, only: Callable[[Record], bool] | None = None) -> dict:
         if residency not in _RESIDENCIES:
             raise ValueError(f"residency must be one of {_RESIDENCIES}, got {residency!r}")
         out: dict = {}
         with self._locked():
-            for entry in self._live.values():  # read in place: this runs after every forward
+            for entry in (self._spilled if residency == "spilled" else self._live).values():  # in place: this runs after every forward
                 record = entry.record
                 if record.residency == residency and (only is None or only(record)):
                     group = by(record)

@@ -10,7 +10,9 @@ adds. Under expert parallelism it still holds the rows dispatch received; where 
 fit, the ranks of the group agree at the gate (`parallel.expert.any_rank`) and recompute the
 layer's experts with their all-to-alls on every rank (the collective escalation, the floor: the
 paper recomputes the whole MoE block). After the forward the budget is replaced by what the
-Ledger counted. The engine
+Ledger counted. A save that would still go past the capacity (a forward keeping more than its
+cost model said, after its last gate) first moves activations kept earlier to host memory
+(`Ledger.spill_at`). The engine
 (`runtime.driver.run_iteration`, or nanotron's pipeline) calls `begin_forward`, `end_forward`,
 `end_backward`.
 """
@@ -106,6 +108,7 @@ class Event:
     misses: list[Miss] = field(default_factory=list)  # ops that kept other bytes than predicted (`runtime.calibration`)
     ids_view_bytes: int = 0  # what its token ids keep beyond themselves: the larger tensor they are a view of (planned for)
     varlen_bytes: int = 0  # flash-attention's varlen arguments its layers receive (TRL's packing; planned for)
+    spilled_bytes: int = 0  # kept activations its forward's saves moved to host memory, going past the capacity (`Ledger.spill_at`)
 
     def to_json(self) -> str:
         return json.dumps(vars(self), default=asdict)  # the nested dataclasses only made dicts (asdict copies all)
@@ -205,6 +208,10 @@ class Provisioner:
         self.decider = Decider(Stage.of(recipe, first, split=False, static_bytes=static), {kind: first}, on_band=self._prepare)
         stage = self.stage
         self.ledger.static_bytes = stage.static_bytes
+        # the last resort, whatever the strategies a plan may use: a save past the capacity moves kept
+        # activations to the host first, rather than end the job
+        self.ledger.spill_at = stage.capacity
+        self._spill_named = False
         # the schedule's phase of each forward: 1F1B's steady phase starts one forward before
         # Algorithm 1's does (that forward also runs before any backward, so it is budgeted as warmup)
         self.phases = {s.micro_batch: s.phase for s in stage.schedule if s.kind == "F"}
@@ -392,6 +399,7 @@ class Provisioner:
             ids_view_bytes=view, varlen_bytes=varlen_bytes,
         )
         self.ledger.micro_batch = mb
+        self._spilled_before = self.ledger.spilled_bytes
         hooks = ExitStack()
         hooks.enter_context(self.runtime.forward(refresh=False))
         hooks.callback(setattr, self.gate, "active", False)
@@ -489,6 +497,16 @@ class Provisioner:
         self.decider.end(f.decided, actual + round(f.event.room_bytes))
         e = f.event
         e.actual = actual
+        e.spilled_bytes = self.ledger.spilled_bytes - self._spilled_before
+        if e.spilled_bytes and not self._spill_named:
+            self._spill_named = True
+            warnings.warn(
+                f"bagualu: micro-batch {mb} kept more than its plan was made for, past the capacity of "
+                f"{fmt_bytes(self.stage.capacity)}: {fmt_bytes(e.spilled_bytes)} of activations it had kept were moved to host "
+                "memory and come back as its backward needs them (gradients unchanged, the step slower); the cost-model "
+                "warning names what kept more, and later micro-batches are planned on it (Event.spilled_bytes)",
+                RuntimeWarning, stacklevel=2,
+            )
         cost = self.decider.costs[f.kind]
         e.mitigated = cost.mitigated(e.tokens, gate_pairs(cost, e.routed), e.seq_len, f.decided.plan, self.stage.options)
         self._calibrate(f)
@@ -506,6 +524,8 @@ class Provisioner:
         kept more, whose floor is checked at once (an error with the numbers where it no longer fits)."""
         e, cost = f.event, self.decider.costs[f.kind]
         measured = self.ledger.by_op(micro_batch=e.micro_batch)
+        for op, n in self.ledger.by_op("spilled", micro_batch=e.micro_batch).items():  # kept, then moved by the Ledger
+            measured[op] = measured.get(op, 0) + n
         if not measured:  # its saves are gone already (its backward ran before end_forward): nothing to compare
             return
         e.misses, corrected = self.calibration.check(
@@ -558,6 +578,7 @@ class Provisioner:
                 "bagualu/deferrals": sum(len(e.deferred) for e in new),
                 "bagualu/planner_ms": 1e3 * sum(e.planner_s for e in new) / len(new),
                 "bagualu/cost_model_misses": sum(len(e.misses) for e in new),
+                "bagualu/spilled_bytes": sum(e.spilled_bytes for e in new),
             })
         return figures
 
