@@ -15,7 +15,16 @@ from transformers import TrainingArguments
 
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.config import RecipeError
-from bagualu_plugin.integrations.engines import engine, engine_budget, fsdp_budget, trainer_budget, zero_budget, zero_buffer_bytes
+from bagualu_plugin.integrations.engines import (
+    engine,
+    engine_budget,
+    fsdp_budget,
+    parameter_bytes,
+    trainer_budget,
+    zero_budget,
+    zero_buffer_bytes,
+    zero_widths,
+)
 from bagualu_plugin.stage import Stage
 
 OFF = {"offload_optimizer": False, "offload_params": False}
@@ -82,6 +91,36 @@ def test_zero_buckets_in_the_communication_dtype_at_stage_3():
     assert zero_buffer_bytes({**config, "communication_data_type": "fp32"}) == 4000
     below = {**config, "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}}
     assert zero_buffer_bytes({**below, "communication_data_type": "fp32"}) == 2000  # stage 2's buckets: the weights' dtype
+
+
+@pytest.mark.parametrize(
+    ("precision", "param_bytes", "stage", "widths"),
+    [
+        ({"bf16": {"enabled": True}}, 4, 2, {}),  # cast to 2 bytes, FP32 gradients and master: the defaults
+        ({"fp16": {"enabled": True}}, 2, 3, {}),
+        ({"bf16": {"enabled": "auto"}}, 4, 2, {"weight_bytes_per_param": 4}),  # not filled yet: the wider
+        ({}, 4, 2, {"weight_bytes_per_param": 4, "optimizer_bytes_per_param": 8}),  # FP32: the weights are the master
+        ({"bf16": {"enabled": False}}, 4, 0, {"weight_bytes_per_param": 4, "optimizer_bytes_per_param": 8}),
+        ({}, 4, 3, {"weight_bytes_per_param": 4, "optimizer_bytes_per_param": 12}),  # stage 3 keeps an FP32 partition beside
+        ({}, 2, 2, {"weight_bytes_per_param": 2, "optimizer_bytes_per_param": 12}),  # BF16 weights, an FP32 master
+    ],
+)
+def test_zero_prices_the_weights_and_optimizer_state_in_the_widths_deepspeed_keeps(precision, param_bytes, stage, widths):
+    config = {"zero_optimization": {"stage": stage, "reduce_bucket_size": 1000}, **precision}
+    assert zero_widths(config, param_bytes) == widths
+    assert zero_budget(config, param_bytes=param_bytes).items() >= widths.items()
+    assert not zero_budget(config).keys() & {"weight_bytes_per_param", "optimizer_bytes_per_param"}  # no model: the defaults
+
+
+def test_a_models_parameter_width_is_what_most_of_its_parameters_have():
+    assert parameter_bytes(tiny_model("qwen3_moe", num_hidden_layers=1)) == 4
+    model = tiny_model("qwen3_moe", num_hidden_layers=1, dtype=torch.bfloat16)
+    assert parameter_bytes(model) == 2
+    model.model.norm.weight.data = model.model.norm.weight.data.float()  # a few FP32 ones (norms kept in FP32)
+    assert parameter_bytes(model) == 2
+    for p in model.parameters():  # ZeRO-3's partitions: the parameters empty, their whole size in ds_numel
+        p.ds_numel, p.data = p.numel(), p.data.new_empty(0)
+    assert parameter_bytes(model) == 2
 
 
 @pytest.mark.parametrize(

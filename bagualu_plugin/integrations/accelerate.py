@@ -57,7 +57,7 @@ def prepare_model(model: nn.Module, recipe: PartialRecipe, accelerator) -> Recip
     the processes for DDP. Returns this process's recipe (its `ep_rank`)."""
     if accelerator is None:
         raise ValueError("integrations.accelerate: pass the Accelerator that will prepare the model")
-    budget = engine_budget(accelerator.state, Adapter(model).config.hidden_size)
+    budget = engine_budget(accelerator.state, model)
     recipe = derive_recipe(model, recipe, accelerator=accelerator, budget=budget)
     n, rank = accelerator.num_processes, accelerator.process_index
     par, pipe = recipe.parallel, recipe.pipeline

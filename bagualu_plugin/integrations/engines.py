@@ -13,8 +13,10 @@ The activations are the Ledger's either way: it never counts a parameter, sharde
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from typing import Any
 
+from ..adapters import Adapter
 from ..costmodel.dims import DTYPE_BYTES
 
 _ZERO_STAGES = (0, 1, 2, 3)
@@ -42,13 +44,14 @@ def fsdp_budget(plugin: Any) -> dict[str, bool]:
     return {"fsdp": True, "shard_optimizer": True, "offload_params": offload, "offload_optimizer": offload}
 
 
-def zero_budget(config: dict[str, Any], hidden_size: int | None = None) -> dict[str, bool | int]:
+def zero_budget(config: dict[str, Any], hidden_size: int | None = None, param_bytes: int | None = None) -> dict[str, bool | int]:
     """The `budget` fields of a DeepSpeed config (the dict the Trainer or accelerate holds): ZeRO
     stage 1 shards the optimizer state over the data-parallel ranks, 2 the gradients too, 3 the
     weights as well (each module's gathered in its forward, as FSDP's); `offload_optimizer`
     keeps the optimizer state and the fp32 gradient partitions in host memory, `offload_param`
-    the weights; and the engine's gradient reduce buckets (`zero_buffer_bytes`). `hidden_size`:
-    the model's, which an "auto" bucket size is made of. Raises ValueError naming what it refuses."""
+    the weights; the engine's gradient reduce buckets (`zero_buffer_bytes`); and, given the
+    model's `param_bytes`, the bytes per parameter (`zero_widths`). `hidden_size`: the model's,
+    which an "auto" bucket size is made of. Raises ValueError naming what it refuses."""
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     refused = []
@@ -69,7 +72,36 @@ def zero_budget(config: dict[str, Any], hidden_size: int | None = None) -> dict[
     if refused:
         raise ValueError("DeepSpeed: " + "; ".join(refused))
     buffers = zero_buffer_bytes(config, hidden_size)
-    return {"fsdp": stage == 3, "shard_optimizer": stage >= 1, "shard_gradients": stage >= 2, **offloaded, "engine_buffer_bytes": buffers}
+    widths = {} if param_bytes is None else zero_widths(config, param_bytes)
+    return {"fsdp": stage == 3, "shard_optimizer": stage >= 1, "shard_gradients": stage >= 2, **offloaded, "engine_buffer_bytes": buffers,
+            **widths}
+
+
+def zero_widths(config: dict[str, Any], param_bytes: int) -> dict[str, float]:
+    """The bytes per parameter DeepSpeed keeps for a model whose parameters are `param_bytes`
+    wide. Under `bf16` or `fp16` it casts the weights to 2 bytes and keeps FP32 gradient
+    partitions and an FP32 master beside Adam's two moments: the budget's defaults (2, 4, 12),
+    nothing returned. Without them the weights stay the model's; in FP32 the optimizer of stages
+    0-2 updates the flat FP32 weights themselves (its master is them: 8 bytes, the two moments)
+    and stage 3 keeps an FP32 partition beside them (12). Where the half precision is still
+    "auto" the weights are priced at the wider of the two."""
+    enabled = [(config.get(name) or {}).get("enabled") for name in ("bf16", "fp16")]
+    if True in enabled:
+        return {}
+    if "auto" in enabled:
+        return {"weight_bytes_per_param": max(2, param_bytes)}
+    stage = (config.get("zero_optimization") or {}).get("stage", 0)
+    master = param_bytes == 4 and stage < 3
+    return {"weight_bytes_per_param": param_bytes, "optimizer_bytes_per_param": 8 if master else 12}
+
+
+def parameter_bytes(model: Any) -> int:
+    """The width most of `model`'s parameters have, by count (ZeRO-3's partitioned parameters
+    counted whole, `ds_numel`): what a sharding engine keeps its weights in, unless it casts them."""
+    sizes: Counter[int] = Counter()
+    for p in model.parameters():
+        sizes[p.element_size()] += getattr(p, "ds_numel", p.numel())
+    return sizes.most_common(1)[0][0]
 
 
 _BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size, in elements
@@ -107,24 +139,26 @@ def engine(state: Any) -> str | None:
     return next((name for name in ("fsdp", "deepspeed") if getattr(state, f"{name}_plugin", None) is not None), None)
 
 
-def engine_budget(state: Any, hidden_size: int | None = None) -> dict[str, bool | int]:
-    """The `budget` fields of the sharding engine accelerate runs (`engine`) for a model of
-    `hidden_size`; {} for none."""
+def engine_budget(state: Any, model: Any = None) -> dict[str, bool | int]:
+    """The `budget` fields of the sharding engine accelerate runs (`engine`) for `model` (its
+    hidden size and parameter width; None: an "auto" bucket size is refused, the widths are the
+    budget's defaults); {} for none."""
     name = engine(state)
     if name == "fsdp":
         return fsdp_budget(state.fsdp_plugin)
     if name == "deepspeed":
-        return zero_budget(state.deepspeed_plugin.deepspeed_config, hidden_size)
+        hidden, width = (None, None) if model is None else (Adapter(model).config.hidden_size, parameter_bytes(model))
+        return zero_budget(state.deepspeed_plugin.deepspeed_config, hidden, width)
     return {}
 
 
-def trainer_budget(args: Any, state: Any, hidden_size: int | None = None) -> dict[str, bool | int]:
+def trainer_budget(args: Any, state: Any, model: Any = None) -> dict[str, bool | int]:
     """The `budget` fields of the sharding engine the Trainer really runs (`engine_budget`).
     Training arguments that ask for FSDP or DeepSpeed while the Trainer runs neither (accelerate
     enables them only on accelerator devices; on CPU it runs DistributedDataParallel) are named in
     a warning: the plugin then prices what runs."""
     if engine(state) is not None:
-        return engine_budget(state, hidden_size)
+        return engine_budget(state, model)
     asked = [name for name in ("fsdp", "deepspeed") if getattr(args, name, None)]
     if asked:
         runs = getattr(getattr(state, "distributed_type", None), "value", "no distributed engine")

@@ -82,7 +82,7 @@ class BagualuCallback(TrainerCallback):
         accelerator = _accelerator_state()
         planned = self.cost is None  # a given cost model describes plain forwards only
         kind = ForwardKind(fused_head=planned and _fused_head(model), autocast=planned and _autocast(model, accelerator))
-        budget = trainer_budget(args, accelerator, Adapter(model).config.hidden_size)
+        budget = trainer_budget(args, accelerator, model)
         recipe = derive_recipe(model, self.recipe, training_args=args, budget=budget).with_output_dir(args.output_dir or ".")
         self.provisioner = Provisioner(model, recipe, self.cost, kind)
 
