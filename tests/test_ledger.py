@@ -517,3 +517,40 @@ def test_what_cannot_be_spilled_still_runs_out_of_memory():
     ledger = Ledger(capacity_bytes=96)  # no spill_at: the capacity alone
     with ledger.track(), pytest.raises(SimulatedOutOfMemoryError):
         _sines(x)
+
+
+class _Product(torch.autograd.Function):
+    """a * b, saving a then b: its backward unpacks them in that order."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad * b, grad * a
+
+
+def test_what_backward_has_unpacked_is_never_spilled_to_restore_another():
+    """A tensor that needs no gradient comes back from autograd's unpack as the very alias the
+    Ledger holds: nothing but the mark tells that backward computes with it."""
+
+    def run(x, hold):
+        mask = (x > 0).float()
+        hold.append(mask)
+        return _Product.apply(mask, x.cos()).exp()
+
+    x = torch.randn(8, requires_grad=True)
+    reference = torch.autograd.grad(run(x, []).sum(), x)[0]
+    ledger = Ledger(current_op=lambda: "product")
+    ledger.spill_at = 96
+    held = []
+    with ledger.track():
+        z = run(x, held)  # saving exp's output spills cos(x): the mask is held here, x by the caller
+    assert ledger.spilled_bytes == 32
+    held.clear()  # the mask is the graph's alone now
+    ledger.spill_at = 64  # restoring cos(x) in backward must make room: the mask, unpacked just before, is in use
+    (grad,) = torch.autograd.grad(z.sum(), x)
+    assert torch.equal(grad, reference) and ledger.spilled_bytes == 32

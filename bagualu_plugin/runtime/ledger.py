@@ -86,6 +86,7 @@ class Record(NamedTuple):
 
 
 _new_record = tuple.__new__  # a Record without the Python frame of its generated __new__ (one per saved storage)
+_UNPACKED = "_bagualu_unpacked"  # set on a pack alias backward has unpacked: it is in use, never spilled
 
 
 @dataclass(slots=True)
@@ -367,8 +368,10 @@ class Ledger:
 
     def unpack(self, packed: tuple[torch.Tensor, int]) -> torch.Tensor:
         alias, version = packed
-        if self._spilled:
-            self._restore(alias)
+        if self.spill_at is not None:  # backward computes with it now: the graph is no longer its only user
+            setattr(alias, _UNPACKED, True)
+            if self._spilled:
+                self._restore(alias)
         if alias._version != version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an "
@@ -651,10 +654,10 @@ class Ledger:
 
     @staticmethod
     def _sole(entry: _Live) -> torch.UntypedStorage | None:
-        """The entry's storage, if its live holders are the only tensors on it (and it can be
-        emptied); else None."""
+        """The entry's storage, if its live holders are the only tensors on it, none of them in use
+        by backward (unpacked), and it can be emptied; else None."""
         tensors = [t for ref in entry.holders if (t := ref()) is not None]
-        if not tensors:
+        if not tensors or any(hasattr(t, _UNPACKED) for t in tensors):
             return None
         storage = tensors[0].untyped_storage()
         # one reference per tensor object on the storage, and ours, `storage`
