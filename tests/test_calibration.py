@@ -24,13 +24,13 @@ EXACT = {"allowed": ["recompute", "offload"]}
 COPIES = 8
 
 
-def _saving_more(forward):
-    """`forward`, now also saving a storage of `COPIES` times its output's size (exp saves its
+def _saving_more(forward, copies: int = COPIES):
+    """`forward`, now also saving a storage of `copies` times its output's size (exp saves its
     result), as a release that changes the op would; the values are unchanged (output + 0)."""
 
-    def more(hidden_states):
-        output = forward(hidden_states)
-        return output + output.expand(COPIES, *output.shape).exp().sum(0) * 0
+    def more(*args, **kwargs):
+        output = forward(*args, **kwargs)
+        return output + output.expand(copies, *output.shape).exp().sum(0) * 0
 
     return more
 
@@ -85,13 +85,7 @@ def test_an_excess_saved_outside_the_ops_regions_is_planned_as_kept_whatever_the
     capacity = int(0.7 * cm.activation_bytes(BATCH * SEQ, seq_len=SEQ))
     prov = bgl.apply(model, {"hardware": {"capacity_bytes": capacity}, "budget": {"non_activation_bytes": 0}, "strategies": EXACT,
                              "pipeline": {"micro_batches": MICRO_BATCHES}})
-    forward = experts.forward
-
-    def more(*args, **kwargs):
-        output = forward(*args, **kwargs)
-        return output + output.exp() * 0
-
-    experts.forward = more
+    experts.forward = _saving_more(experts.forward, 1)
     g = torch.Generator().manual_seed(0)
     try:
         with warnings.catch_warnings():
@@ -114,13 +108,7 @@ def _experts_saving_more(model, copies: int) -> None:
     """The last MoE layer's experts, now also saving `copies` times their output's size (charged
     to expert_fc2, after the layer's gate: the last decision point of a forward)."""
     experts = model.model.layers[-1].mlp.experts
-    forward = experts.forward
-
-    def more(*args, **kwargs):
-        output = forward(*args, **kwargs)
-        return output + output.expand(copies, *output.shape).exp().sum(0) * 0
-
-    experts.forward = more
+    experts.forward = _saving_more(experts.forward, copies)
 
 
 def _train(model) -> list[torch.Tensor]:

@@ -640,10 +640,8 @@ class Ledger:
             storage = self._sole(entry) if entry.packed and record.residency == "device" else None
             if storage is None:
                 continue
-            device = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            host = torch.empty(record.nbytes, dtype=torch.uint8, pin_memory=device.is_cuda)
-            host.copy_(device)  # synchronous: the storage is freed next
-            del device
+            host = torch.empty(record.nbytes, dtype=torch.uint8, pin_memory=storage.is_cuda)
+            host.untyped_storage().copy_(storage)  # synchronous: the storage is freed next
             storage.resize_(0)
             del self._live[key]
             entry.record, entry.spilled = record._replace(residency="spilled"), (storage, host)
@@ -677,7 +675,7 @@ class Ledger:
             self._check_capacity(record.nbytes, record.op, record.micro_batch)
             host = entry.spilled[1]
             storage.resize_(record.nbytes)
-            torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage).copy_(host)
+            storage.copy_(host.untyped_storage())
             del self._spilled[storage._cdata]
             if self._released:  # a storage that died before the new memory took its address
                 self._apply_releases()

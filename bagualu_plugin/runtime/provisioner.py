@@ -124,6 +124,7 @@ class _Forward:
     hooks: ExitStack  # the plan's hooks entered and the gate monitor on, until the forward ends
     kind: ForwardKind
     expected: Expected  # what its blocks should keep, as its gates come
+    spilled_before: int  # the Ledger's `spilled_bytes` as it began: what its forward moves is the difference
     beyond: float = 0.0  # what its layers before the latest gate kept beyond that, taken from its slack
     ran: set[OpId] = field(default_factory=set)  # the ops its forward has entered so far
 
@@ -399,13 +400,12 @@ class Provisioner:
             ids_view_bytes=view, varlen_bytes=varlen_bytes,
         )
         self.ledger.micro_batch = mb
-        self._spilled_before = self.ledger.spilled_bytes
         hooks = ExitStack()
         hooks.enter_context(self.runtime.forward(refresh=False))
         hooks.callback(setattr, self.gate, "active", False)
         self.gate.active = True
         expected = Expected(self.decider.costs[kind], tokens, seq_len, self.stage.options)
-        self._forward = _Forward(event, decided, hooks, kind, expected)
+        self._forward = _Forward(event, decided, hooks, kind, expected, self.ledger.spilled_bytes)
         event.planner_s = time.perf_counter() - start
         return event
 
@@ -497,7 +497,7 @@ class Provisioner:
         self.decider.end(f.decided, actual + round(f.event.room_bytes))
         e = f.event
         e.actual = actual
-        e.spilled_bytes = self.ledger.spilled_bytes - self._spilled_before
+        e.spilled_bytes = self.ledger.spilled_bytes - f.spilled_before
         if e.spilled_bytes and not self._spill_named:
             self._spill_named = True
             warnings.warn(
