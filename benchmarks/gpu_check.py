@@ -38,6 +38,7 @@ import bagualu_plugin as bgl
 from bagualu_plugin import kernels
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.adapters.tiny import tiny_config
 from bagualu_plugin.costmodel import OpId
 from bagualu_plugin.costmodel.mitigation import MitigationOptions
 from bagualu_plugin.costmodel.plan import Plan
@@ -637,21 +638,22 @@ def expert_parallel_group_of_one(ctx: Context):
 
 # ---------------------------------------------------------------- the Trainer's sharding engines
 
+# DeepSpeed's reduce bucket as the Trainer's and accelerate's example configs size it ("auto": hidden size
+# squared); its default (500 M elements, 2 GB in FP32) would dwarf a tiny model's activations
+ZERO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}
 ENGINES = {  # the Trainer's own arguments for each engine, on one process
-    "FSDP2": {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}},
-    **{
-        f"ZeRO-{stage}": {"deepspeed": {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
-                                        "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}}
-        for stage in (2, 3)
-    },
+    "FSDP2": {"fsdp": True, "fsdp_config": {"fsdp_version": 2}},
+    **{f"ZeRO-{stage}": {"deepspeed": {**ZERO, "zero_optimization": {"stage": stage, "reduce_bucket_size": "auto"}}} for stage in (2, 3)},
 }
+SHARE = 0.93  # each engine's capacity: this share of the peak the plugin counts for the same run unplanned
+AMPLE = 2**40  # a capacity at which nothing is planned
 
 
 def _engine_run(ctx: Context, engine: str, callback, workdir: str):
     """SFTTrainer on a tiny Qwen3-MoE (FP32, eager attention, seeded) under `engine`, `callback`
-    given; returns the per-step losses, the trainer, and whether the engine really ran (FSDP2:
-    the weights are DTensors; ZeRO: DeepSpeed's engine at that stage, which at 3 partitioned the
-    weights)."""
+    given (None: the Trainer alone); returns the per-step losses, the trainer, and whether the
+    engine really ran (FSDP2: the weights are DTensors; ZeRO: DeepSpeed's engine at that stage,
+    which at 3 partitioned the weights)."""
     from accelerate.state import AcceleratorState
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -668,7 +670,7 @@ def _engine_run(ctx: Context, engine: str, callback, workdir: str):
         use_cpu=not ctx.cuda, disable_tqdm=True, **ENGINES[engine],
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts}),
-                         processing_class=tiny_tokenizer(), callbacks=[callback])
+                         processing_class=tiny_tokenizer(), callbacks=[callback] if callback else [])
     trainer.train()
     weights = [p for p in trainer.model_wrapped.parameters()]
     if engine == "FSDP2":
@@ -683,13 +685,15 @@ def _engine_run(ctx: Context, engine: str, callback, workdir: str):
 @check("HF Trainer under FSDP2 and DeepSpeed ZeRO-2 / ZeRO-3 (one process)")
 def trainer_engines(ctx: Context):
     """SFTTrainer with `BagualuCallback` under each sharding engine, on one GPU (a process group of
-    one: the Trainer shards over it as over many): the engine really on, losses bitwise the same
-    Trainer's without the plugin, the peak at or under 93% of that run's unplanned peak with plans
-    in force and no cost-model miss. accelerate runs neither engine on CPU (it runs DDP): there the
-    FSDP2 run goes as far as that and the check is skipped."""
+    one: the Trainer shards over it as over many): the engine really on; the plugin at ample
+    capacity (nothing planned) counts the run's peak, its static bytes priced for the engine; at 93%
+    of that peak plans are in force, the peak stays at or under the capacity, no cost-model miss,
+    and losses are bitwise the same Trainer's without the plugin. On CPU the Trainer's FSDP2
+    arguments get DDP from accelerate: there the FSDP2 run goes as far as that and the check is
+    skipped (CI runs ZeRO under the Trainer on CPU through `accelerate launch`: tests/test_deepspeed.py)."""
     import importlib.util
 
-    from bagualu_plugin.integrations.transformers import BagualuCallback, UnplannedCallback
+    from bagualu_plugin.integrations.transformers import BagualuCallback
     from bagualu_plugin.parallel.launch import free_port
 
     launched = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
@@ -702,23 +706,25 @@ def trainer_engines(ctx: Context):
                 results.append(f"{engine}: skipped ({'needs CUDA' if not ctx.cuda else 'deepspeed is not installed'})")
                 continue
             with tempfile.TemporaryDirectory() as workdir:
-                unplanned = UnplannedCallback()
-                stock, _, on = _engine_run(ctx, engine, unplanned, workdir)
+                stock, _, on = _engine_run(ctx, engine, None, workdir)
                 if not on:
                     if ctx.cuda:
                         raise AssertionError(f"{engine}: the Trainer did not shard the model")
                     raise Skip(f"skipped: on CPU the Trainer runs no {engine} (accelerate shards only on accelerator devices)")
-                capacity = int(0.93 * max(unplanned.peaks))
-                callback = BagualuCallback({"hardware": {"capacity_bytes": capacity}, "strategies": {"allowed": ["recompute", "offload"]}})
-                ours, _, _ = _engine_run(ctx, engine, callback, workdir)
-            prov = callback.provisioner
-            events = list(prov.events)
-            good = (ours == stock and prov.peak_device_bytes <= capacity and any(e.plan for e in events)
-                    and not any(e.misses for e in events))
+                runs, same = {}, True
+                for name, capacity in (("ample", AMPLE), ("planned", None)):
+                    capacity = capacity or int(SHARE * runs["ample"].peak_device_bytes)
+                    recipe = {"hardware": {"capacity_bytes": capacity}, "strategies": {"allowed": ["recompute", "offload"]}}
+                    callback = BagualuCallback(recipe)
+                    losses, _, _ = _engine_run(ctx, engine, callback, workdir)
+                    runs[name], same = callback.provisioner, same and losses == stock
+            unplanned, prov = runs["ample"].peak_device_bytes, runs["planned"]
+            events = [*runs["ample"].events, *prov.events]
+            plans, misses = sum(bool(e.plan) for e in prov.events), sum(len(e.misses) for e in events)
+            good = same and prov.peak_device_bytes <= capacity < unplanned and plans and not misses
             ok &= good
-            results.append(f"{engine}: losses {'bitwise' if ours == stock else 'DIFFER'}, {sum(bool(e.plan) for e in events)} plans")
-            figures.append(f"{engine} peak {prov.peak_device_bytes} <= {capacity} B: {prov.peak_device_bytes <= capacity}, "
-                           f"{sum(len(e.misses) for e in events)} misses")
+            results.append(f"{engine}: losses {'bitwise' if same else 'DIFFER'}, {plans} plans, {misses} misses")
+            figures.append(f"{engine} peak {prov.peak_device_bytes} <= {capacity} < {unplanned} B: {good}")
     finally:
         for k, v in saved.items():
             if v is None:
@@ -729,6 +735,104 @@ def trainer_engines(ctx: Context):
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    return "; ".join(results), "; ".join(figures), ok
+
+
+def _launch_config(engine: str, workdir: str) -> str:
+    """The file `accelerate launch --config_file` reads for `engine` on one process (ZeRO-3: with
+    DeepSpeed's own JSON config beside it, as accelerate's plugin takes the bucket size only there)."""
+    import json
+
+    import yaml
+
+    if engine == "FSDP2":
+        fields = {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
+            "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_offload_params": False, "fsdp_activation_checkpointing": False}}
+    else:
+        zero, hidden = os.path.join(workdir, "zero3.json"), tiny_config("qwen3_moe").hidden_size
+        with open(zero, "w") as f:  # accelerate's plugin fills no "auto" bucket size: the Trainer's rule, written out
+            json.dump({**ZERO, "zero_optimization": {"stage": 3, "reduce_bucket_size": hidden * hidden,
+                                                     "stage3_gather_16bit_weights_on_model_save": True}}, f)
+        # the precision is the JSON file's (none: FP32); accelerate refuses it given twice
+        fields = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": zero, "zero3_init_flag": False}}
+    config = os.path.join(workdir, f"{engine}.yaml")
+    with open(config, "w") as f:
+        yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "num_processes": 1, "machine_rank": 0,
+                        "use_cpu": False, "main_training_function": "main", **fields}, f)
+    return config
+
+
+def _launched(config: str, out: str, *flags: str) -> tuple[list[float], dict, dict[str, torch.Tensor]]:
+    """examples/sft_moe.py under `accelerate launch --config_file config`; its losses, the plugin's
+    figures over the run and its saved weights. A failed launch prints the end of its stderr."""
+    import json
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    from bagualu_plugin.parallel.launch import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    cmd = [accelerate if os.path.exists(accelerate) else "accelerate", "launch", "--config_file", config,
+           "--main_process_port", str(free_port()), os.path.join(root, "examples", "sft_moe.py"), "--output-dir", out, *flags]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    if done.returncode:
+        print(done.stderr, file=sys.stderr)
+        errors = [line for line in done.stderr.splitlines() if "Error: " in line and "ChildFailedError" not in line]
+        raise AssertionError(f"accelerate launch exited {done.returncode}: {errors[-1:] or done.stderr.splitlines()[-1:]}")
+    records = json.load(open(os.path.join(out, "log_history.json")))
+    weights = load_file(os.path.join(out, "model", "model.safetensors"))
+    figures = {}  # over the run: each figure's largest (misses: their sum)
+    for record in records:
+        for name, value in record.items():
+            if name.startswith("bagualu/"):
+                figures[name] = figures.get(name, 0) + value if name.endswith("misses") else max(figures.get(name, value), value)
+    return [r["loss"] for r in records if "loss" in r], figures, weights
+
+
+@check("HF Trainer under accelerate launch --config_file: FSDP2 and ZeRO-3 plugins (examples/sft_moe.py)")
+def trainer_engines_launched(ctx: Context):
+    """The other way to enable an engine: accelerate's config file, the example launched on this
+    GPU as a user launches it. Per engine: the run without the plugin; the plugin at ample capacity
+    (its peak); the plugin at 93% of that peak: losses and saved weights bitwise the first run's,
+    the peak at or under the capacity, plans in force, no cost-model miss, and the recipe the
+    callback derived prices the engine (`budget.fsdp`: everything sharded). Needs CUDA: on CPU
+    accelerate runs no FSDP2 (DeepSpeed's launch is tested there: tests/test_deepspeed.py)."""
+    import importlib.util
+    import json
+
+    from bagualu_plugin.adapters.tiny import save_tiny, tiny_tokenizer
+
+    ctx.need_cuda()
+    results, figures, ok = [], [], True
+    with tempfile.TemporaryDirectory() as workdir:
+        model, corpus = save_tiny("qwen3_moe", os.path.join(workdir, "model")), os.path.join(workdir, "corpus.txt")
+        tiny_tokenizer().save_pretrained(model)
+        with open(corpus, "w") as f:
+            f.write("\n".join(" ".join(["tokens of a short training text"] * (1 + i % 4)) for i in range(16)))
+        common = ("--model", str(model), "--data", corpus, "--steps", "3", "--accumulation", "2", "--max-length", "32",
+                  "--attn-implementation", "eager", "--deterministic")
+        for engine in ("FSDP2", "ZeRO-3"):
+            if engine.startswith("ZeRO") and importlib.util.find_spec("deepspeed") is None:
+                results.append(f"{engine}: skipped (deepspeed is not installed)")
+                continue
+            config = _launch_config(engine, workdir)
+            stock, _, theirs = _launched(config, os.path.join(workdir, f"{engine}-stock"), *common, "--no-plugin")
+            _, ample, _ = _launched(config, os.path.join(workdir, f"{engine}-ample"), *common, "--capacity", str(AMPLE))
+            capacity, out = int(SHARE * ample["bagualu/peak_device_bytes"]), os.path.join(workdir, engine)
+            ours, record, mine = _launched(config, out, *common, "--capacity", str(capacity))
+            budget = json.load(open(os.path.join(out, "recipe-rank0.json")))["budget"]
+            same = ours == stock and mine.keys() == theirs.keys() and all(same_bits(mine[k], theirs[k]) for k in mine)
+            misses = ample["bagualu/cost_model_misses"] + record["bagualu/cost_model_misses"]
+            good = (same and budget["fsdp"] and record["bagualu/peak_device_bytes"] <= capacity < ample["bagualu/peak_device_bytes"]
+                    and record["bagualu/mitigated_ops"] > 0 and not misses and record.get("bagualu/spilled_bytes", 0) == 0)
+            ok &= good
+            results.append(f"{engine}: losses and weights {'bitwise' if same else 'DIFFER'}, {record['bagualu/mitigated_ops']} ops "
+                           f"mitigated, {misses} misses, priced fully sharded: {budget['fsdp']}")
+            figures.append(f"{engine} peak {record['bagualu/peak_device_bytes']} <= {capacity} < {ample['bagualu/peak_device_bytes']} B")
     return "; ".join(results), "; ".join(figures), ok
 
 

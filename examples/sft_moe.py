@@ -3,16 +3,19 @@ callback, under `python` or `accelerate launch` (DDP over the processes; `--ep`:
 sharded over them).
 
     accelerate launch --multi_gpu --num_processes 2 examples/sft_moe.py \\
-        --model CKPT --data corpus.txt --output-dir out [--capacity 40GiB] [--lora] [--ep] [--no-plugin] [--report-to tensorboard]
+        --model CKPT --data corpus.txt --output-dir out [--capacity 40GiB] [--lora] [--ep] [--no-plugin] [--report-to tensorboard] \\
+        [--attn-implementation eager] [--deterministic]
 
 The recipe is derived (the model's dimensions, the device and its memory, the processes, the
 gradient-accumulation steps); on CPU `--capacity` is the simulated device memory the plugin plans
 for. `--no-plugin` is the same run without the plugin, its activations counted (not limited) as
 `bagualu/unplanned_peak_device_bytes`. Writes `--output-dir`/`log_history.json` (the Trainer's log
 records, the plugin's figures in them), the callback's `bagualu-telemetry.jsonl` (one file per
-process when there are several: `bagualu report OUTPUT_DIR` draws them), `parallel-rank{R}.json`
-(the parallel section process R derived) and `model/` (`save_pretrained`; under `--ep` the experts
-gathered whole). `--report-to` names the Trainer's loggers (`tensorboard`, `wandb`, `mlflow`, ...):
+process when there are several: `bagualu report OUTPUT_DIR` draws them), `recipe-rank{R}.json`
+(the recipe process R derived: its parallel section, and in `budget` the sharding engine it prices)
+and `model/` (`save_pretrained`; under `--ep` the experts gathered whole; under FSDP2 or DeepSpeed,
+which accelerate runs on GPUs from `accelerate launch --config_file`, the Trainer's `save_model`, which
+gathers the shards as the engine's config says). `--report-to` names the Trainer's loggers (`tensorboard`, `wandb`, `mlflow`, ...):
 the plugin's `bagualu/*` figures reach them too. Under `torchrun` too, on one node or several
 (`--nnodes 2 --node_rank 0|1 --rdzv_backend c10d --rdzv_endpoint HOST:PORT`).
 """
@@ -56,6 +59,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--report-to", nargs="*", default=[], metavar="LOGGER", help="the Trainer's report_to (default: none)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attn-implementation", default=None, help="transformers' attention kernel (eager, sdpa, ...; default: its own)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic kernels (CUDA's atomic adds differ run to run): to compare with --no-plugin bitwise")
     args = parser.parse_args(argv)
     for flag in ("steps", "accumulation", "batch_size", "max_length"):
         if getattr(args, flag) < 1:
@@ -66,8 +72,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     cpu = not torch.cuda.is_available()
+    if args.deterministic:  # warn_only: an op with no deterministic kernel says so and runs
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(args.seed)
     implementation = {"experts_implementation": "bagualu"} if args.ep else {}  # expert parallelism dispatches through it
+    if args.attn_implementation:
+        implementation["attn_implementation"] = args.attn_implementation
     model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, **implementation)
     common = dict(
         output_dir=str(args.output_dir), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
@@ -112,14 +123,17 @@ def main(argv: list[str] | None = None) -> None:
 
     out = args.output_dir
     out.mkdir(parents=True, exist_ok=True)
-    model = trainer.model.merge_and_unload() if args.lora else trainer.model
-    if args.ep:
-        save_expert_parallel(model, out / "model")
-    elif trainer.is_world_process_zero():
-        model.save_pretrained(out / "model")
-    if not args.no_plugin:  # what each process derived: its data- and expert-parallel rank among all
-        parallel = callback.provisioner.recipe.parallel.model_dump()
-        (out / f"parallel-rank{training.process_index}.json").write_text(json.dumps(parallel))
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:  # every process takes part in the gather
+        trainer.save_model(str(out / "model"))
+    else:
+        model = trainer.model.merge_and_unload() if args.lora else trainer.model
+        if args.ep:
+            save_expert_parallel(model, out / "model")
+        elif trainer.is_world_process_zero():
+            model.save_pretrained(out / "model")
+    if not args.no_plugin:  # what each process derived: its data- and expert-parallel rank among all, its engine's bytes
+        recipe = callback.provisioner.recipe.model_dump(mode="json", include={"parallel", "budget"})
+        (out / f"recipe-rank{training.process_index}.json").write_text(json.dumps(recipe))
     if trainer.is_world_process_zero():
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
         if not args.no_plugin:

@@ -1,8 +1,9 @@
 """Sharding engines under the Trainer (`integrations.engines`): accelerate's real FSDP plugin and
 DeepSpeed's JSON configs read into the budget fields that price each rank's weights, gradients and
 optimizer state, what is refused by name, and the static bytes each engine leaves a rank. On CPU
-accelerate enables neither engine (it runs DistributedDataParallel over gloo): training arguments
-that ask for one are named in a warning."""
+the Trainer's own `fsdp` arguments get DistributedDataParallel over gloo from accelerate: training
+arguments that ask for an engine that does not run are named in a warning. (DeepSpeed does run
+under the Trainer on CPU when `accelerate launch` enables it: `tests/test_deepspeed.py`.)"""
 
 from __future__ import annotations
 

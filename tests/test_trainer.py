@@ -303,7 +303,7 @@ def test_two_nodes_train_as_one(checkpoints):
             agent.kill()
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(e[-3000:] for e in errors)
     for rank in (0, 1):
-        parallel = json.loads((out / f"parallel-rank{rank}.json").read_text())
+        parallel = json.loads((out / f"recipe-rank{rank}.json").read_text())["parallel"]
         assert (parallel["dp"], parallel["ep"], parallel["ep_rank"]) == (2, 2, rank)
     records, theirs = (json.loads((d / "log_history.json").read_text()) for d in (out, one))
     assert [r.get("loss") for r in records] == [r.get("loss") for r in theirs]

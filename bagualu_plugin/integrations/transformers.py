@@ -33,13 +33,15 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from ..adapters import Adapter
-from ..adapters.costs import DTYPES
+from ..adapters.costs import DTYPES, model_cost
 from ..costmodel import CostModel
 from ..derive import PartialRecipe, derive_recipe
 from ..runtime.boundaries import ForwardKind
 from ..runtime.ledger import Ledger
 from ..runtime.provisioner import Provisioner
 from ..runtime.static_memory import StaticMemory
+from ..runtime.unhooked_head import UnhookedHead
+from ..stage import Stage
 from .accelerate import shard_experts_for_ddp
 from .engines import engine, trainer_budget
 
@@ -83,6 +85,7 @@ class BagualuCallback(TrainerCallback):
         planned = self.cost is None  # a given cost model describes plain forwards only
         kind = ForwardKind(fused_head=planned and _fused_head(model), autocast=planned and _autocast(model, accelerator))
         budget = trainer_budget(args, accelerator, model)
+        _check_zero3(accelerator, args.gradient_accumulation_steps)
         recipe = derive_recipe(model, self.recipe, training_args=args, budget=budget).with_output_dir(args.output_dir or ".")
         self.provisioner = Provisioner(model, recipe, self.cost, kind)
 
@@ -98,7 +101,10 @@ class BagualuCallback(TrainerCallback):
 class UnplannedCallback(TrainerCallback):
     """What the same run needs without the plugin, for sizing it or comparing with it: each step's
     saved activations counted by a Ledger (nothing planned, nothing limited) on top of the
-    weights, gradients and optimizer state, as `bagualu/unplanned_peak_device_bytes` in the logs."""
+    weights, gradients and optimizer state, as `bagualu/unplanned_peak_device_bytes` in the logs.
+    Those are measured, as the plugin measures them; under FSDP2 or DeepSpeed, whose shards and
+    buffers are not the parameters' storages, priced from the engine's config, as the plugin
+    prices them, so that a capacity sized on this figure means the same to the plugin."""
 
     def __init__(self):
         self.peaks: list[int] = []  # per optimizer step: static and activation bytes together
@@ -108,12 +114,18 @@ class UnplannedCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _log_first(self)
         self.ledger = Ledger.for_model(model)
-        self.static = StaticMemory(Adapter(model).model, self.ledger)
+        adapter = Adapter(model)
+        self.static = StaticMemory(adapter.model, self.ledger)
         self.static.watch(lambda: None)  # counts an optimizer's state from its first step
+        budget = trainer_budget(args, _accelerator_state(), model)
+        self.priced = _priced_static(model, args, budget) if budget else None
+        # TRL's fused head under ZeRO-3: counted off its graph (`runtime.unhooked_head`)
+        self._head = UnhookedHead(adapter.model, adapter.decoder, self.ledger, lambda pack: pack == self.ledger.pack).install()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.ledger.reset_peak(allocator=False)
-        self.static_bytes.append(self.static.measure())  # the optimizer's state so far, the gradients to come
+        # the optimizer's state so far, the gradients to come
+        self.static_bytes.append(self.static.measure() if self.priced is None else self.priced)
         self._stack.enter_context(self.ledger.track())
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -127,6 +139,14 @@ class UnplannedCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self._stack.close()
         self.static.remove()
+        self._head.remove()
+
+
+def _priced_static(model, args, budget: dict) -> int:
+    """The static bytes the plugin prices for this rank under a sharding engine's `budget`
+    (`Stage.of`, as the Provisioner takes them); the capacity plays no part in them."""
+    recipe = derive_recipe(model, {"hardware": {"capacity_bytes": 2**62}}, training_args=args, budget=budget)
+    return Stage.of(recipe, model_cost(model, recipe.hardware), split=False).static_bytes
 
 
 def _log(state, logs: dict, figures: dict) -> None:
@@ -176,6 +196,20 @@ def _fused_head(model) -> bool:
             return True
         forward = getattr(forward, "__wrapped__", None)
     return False
+
+
+def _check_zero3(accelerator, accumulation: int) -> None:
+    """DeepSpeed ZeRO-3 over several processes with gradient accumulation is refused: there a
+    micro-batch recomputing layers after one that did not left the ranks in different collectives
+    in backward (one reducing its gradients, the other gathering parameters: a hang, over gloo on
+    CPU, with the same plan on every rank), which plans for single micro-batch steps did not."""
+    plugin = getattr(accelerator, "deepspeed_plugin", None) if engine(accelerator) == "deepspeed" else None
+    if plugin is not None and plugin.zero_stage == 3 and accelerator.num_processes > 1 and accumulation > 1:
+        raise ValueError(
+            f"BagualuCallback: DeepSpeed ZeRO-3 over {accelerator.num_processes} processes with gradient_accumulation_steps="
+            f"{accumulation} is not supported yet: recompute plans that change from one micro-batch to the next left the "
+            "ranks in different collectives in backward (a hang); use ZeRO-2 or FSDP2, or gradient_accumulation_steps=1"
+        )
 
 
 def _check_arguments(args) -> None:

@@ -91,7 +91,7 @@ class SavedTensorHooks:
         op = self.current_op()
         strategy = self.plan.strategy(op) if op is not None else "keep"
         found = _storage(tensor)
-        if found is None or strategy in ("keep", "recompute") or self.ledger.is_static(found[0]):
+        if found is None or strategy in ("keep", "recompute") or isinstance(tensor, torch.nn.Parameter) or self.ledger.is_static(found[0]):
             return self._keep(tensor, found)  # recompute: a held region input; parameters stay
         key, nbytes = found
         if strategy == "offload" and nbytes < self.options.offload_min_bytes:

@@ -358,7 +358,13 @@ class Ledger:
         (torch's saved_tensors_hooks docs), and the alias dies exactly when the graph drops it,
         whoever else still holds the original. torch skips its in-place modification check for
         hooked saved tensors, so `unpack` repeats it: tracking must never change gradients.
+        A parameter is static memory wherever it is saved (also a weight a sharding engine gathered
+        outside its module's forward, as TRL's fused head gathers the LM head's) and is kept as
+        itself: a leaf makes no cycle, and an engine finds its own marks on it in backward
+        (DeepSpeed ZeRO-3's `ds_status`, which TRL's fused head reads to gather it again).
         """
+        if isinstance(tensor, nn.Parameter):
+            return tensor, tensor._version
         alias = tensor.detach()
         if found is _UNKNOWN:
             found = _storage(alias)
@@ -368,7 +374,8 @@ class Ledger:
 
     def unpack(self, packed: tuple[torch.Tensor, int]) -> torch.Tensor:
         alias, version = packed
-        if self.spill_at is not None:  # backward computes with it now: the graph is no longer its only user
+        # backward computes with it now: the graph is no longer its only user
+        if self.spill_at is not None and not isinstance(alias, nn.Parameter):
             setattr(alias, _UNPACKED, True)
             if self._spilled:
                 self._restore(alias)

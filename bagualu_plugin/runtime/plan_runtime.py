@@ -35,6 +35,7 @@ from .hooks import SavedTensorHooks
 from .ledger import Ledger, _storage
 from .regions import SpanSaves, bagualu_experts, region, top_hooks
 from .storage import HostPool
+from .unhooked_head import UnhookedHead
 
 
 class PlanRuntime:
@@ -170,6 +171,11 @@ class PlanRuntime:
         # the op scopes and the plan's module hooks, once: they do nothing outside forward()
         self.tracker.install()
         stack.callback(self.tracker.remove)
+        # TRL's fused head under ZeRO-3: counted off its graph, nothing of it being a plan's
+        ours = (self.hooks.pack, self.ledger.pack)
+        unhooked = UnhookedHead(a.model, a.decoder, self.ledger, lambda pack: bool(self._forwarding) and pack in ours,
+                                lambda: self.tracker.enter(OpId(head, "loss")))
+        stack.callback(unhooked.install().remove)
         stack.callback(a.model.register_forward_pre_hook(self._new_forward).remove)
         if a.decoder.norm is not None:
             stack.callback(a.decoder.norm.register_forward_pre_hook(lambda *_: self.ledger.end_charges()).remove)
