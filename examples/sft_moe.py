@@ -14,9 +14,9 @@ records, the plugin's figures in them), the callback's `bagualu-telemetry.jsonl`
 process when there are several: `bagualu report OUTPUT_DIR` draws them), `recipe-rank{R}.json`
 (the recipe process R derived: its parallel section, and in `budget` the sharding engine it prices)
 and `model/` (`save_pretrained`; under `--ep` the experts gathered whole; under FSDP2 or DeepSpeed,
-which accelerate runs on GPUs from `accelerate launch --config_file`, the Trainer's `save_model`, which
-gathers the shards as the engine's config says). `--report-to` names the Trainer's loggers (`tensorboard`, `wandb`, `mlflow`, ...):
-the plugin's `bagualu/*` figures reach them too. Under `torchrun` too, on one node or several
+as `accelerate launch --config_file` enables them (FSDP2 on GPUs only), the Trainer's `save_model`,
+which gathers the shards as the engine's config says). `--report-to` names the Trainer's loggers
+(`tensorboard`, `wandb`, `mlflow`, ...): the plugin's `bagualu/*` figures reach them too. Under `torchrun` too, on one node or several
 (`--nnodes 2 --node_rank 0|1 --rdzv_backend c10d --rdzv_endpoint HOST:PORT`).
 """
 

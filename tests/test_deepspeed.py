@@ -175,23 +175,18 @@ def _launch_config(tmp: Path, stage: int, processes: int) -> Path:
     return config
 
 
-def _launch(config: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
-    """examples/sft_moe.py under `accelerate launch --config_file config`, killed past 300 s."""
+def _launched(config: Path, out: Path, *flags: str) -> tuple[list, dict, dict]:
+    """examples/sft_moe.py under `accelerate launch --config_file config`, killed past 300 s: its log
+    records' losses, the plugin's figures over the run (largest; misses summed), its saved tensors."""
+    from safetensors.torch import load_file
+
     from bagualu_plugin.parallel.launch import free_port
 
     accelerate = str(Path(sys.executable).with_name("accelerate"))
     cmd = [accelerate, "launch", "--config_file", str(config), "--main_process_port", str(free_port()),
            str(ROOT / "examples" / "sft_moe.py"), "--output-dir", str(out), *flags]
-    return subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    done = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)
-
-
-def _launched(config: Path, out: Path, *flags: str) -> tuple[list, dict, dict]:
-    """`_launch`'s run, which must succeed: its log records' losses, the plugin's figures over the
-    run (largest; misses summed), its saved tensors."""
-    from safetensors.torch import load_file
-
-    done = _launch(config, out, *flags)
     assert done.returncode == 0, done.stderr[-4000:]
     records = json.loads((out / "log_history.json").read_text())
     figures = {}
@@ -241,11 +236,25 @@ def test_the_trainer_under_accelerate_s_deepspeed_plugin(tmp_path, trainer, lora
         assert recipe["budget"]["fsdp"] == (stage == 3)
 
 
-def test_zero3_over_processes_with_accumulation_is_refused_by_name(tmp_path):
-    """There plans that recompute in one micro-batch and not the next left the ranks in different
-    collectives in backward (a hang, with the same plan on both ranks): refused at train begin."""
-    model, corpus = _checkpoint(tmp_path, "qwen3_moe")
-    done = _launch(_launch_config(tmp_path, 3, 2), tmp_path / "ours", "--model", str(model), "--data", str(corpus),
-                   "--steps", "1", "--accumulation", "2", "--capacity", "8MiB")
-    assert done.returncode != 0
-    assert "DeepSpeed ZeRO-3 over 2 processes with gradient_accumulation_steps=2 is not supported yet" in done.stderr
+@pytest.mark.parametrize(("stage", "processes", "accumulation", "refused"),
+                         [(3, 2, 2, True), (3, 1, 2, False), (3, 2, 1, False), (2, 2, 2, False)])
+def test_zero3_over_processes_with_accumulation_is_refused_by_name(stage, processes, accumulation, refused):
+    """There, over two processes launched as above (SFTTrainer and HF's Trainer alike), a
+    micro-batch that recomputed layers after one that did not left the ranks in different
+    collectives in backward (a hang, with the same plan on both ranks): refused at train begin,
+    from accelerate's state (its real DeepSpeed plugin; the state's other fields as the launch
+    sets them)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DeepSpeedPlugin
+
+    from bagualu_plugin.integrations.transformers import _check_zero3
+
+    plugin = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": 1})
+    state = SimpleNamespace(deepspeed_plugin=plugin, fsdp_plugin=None, num_processes=processes)
+    if refused:
+        with pytest.raises(ValueError, match=rf"DeepSpeed ZeRO-3 over {processes} processes with gradient_accumulation_steps="
+                                             rf"{accumulation} is not supported yet"):
+            _check_zero3(state, accumulation)
+    else:
+        _check_zero3(state, accumulation)
