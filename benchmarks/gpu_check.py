@@ -738,61 +738,6 @@ def trainer_engines(ctx: Context):
     return "; ".join(results), "; ".join(figures), ok
 
 
-def _launch_config(engine: str, workdir: str) -> str:
-    """The file `accelerate launch --config_file` reads for `engine` on one process (ZeRO-3: with
-    DeepSpeed's own JSON config beside it, as accelerate's plugin takes the bucket size only there)."""
-    import json
-
-    import yaml
-
-    if engine == "FSDP2":
-        fields = {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
-            "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_reshard_after_forward": True,
-            "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_offload_params": False, "fsdp_activation_checkpointing": False}}
-    else:
-        zero, hidden = os.path.join(workdir, "zero3.json"), tiny_config("qwen3_moe").hidden_size
-        with open(zero, "w") as f:  # accelerate's plugin fills no "auto" bucket size: the Trainer's rule, written out
-            json.dump({**ZERO, "zero_optimization": {"stage": 3, "reduce_bucket_size": hidden * hidden,
-                                                     "stage3_gather_16bit_weights_on_model_save": True}}, f)
-        # the precision is the JSON file's (none: FP32); accelerate refuses it given twice
-        fields = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": zero, "zero3_init_flag": False}}
-    config = os.path.join(workdir, f"{engine}.yaml")
-    with open(config, "w") as f:
-        yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "num_processes": 1, "machine_rank": 0,
-                        "use_cpu": False, "main_training_function": "main", **fields}, f)
-    return config
-
-
-def _launched(config: str, out: str, *flags: str) -> tuple[list[float], dict, dict[str, torch.Tensor]]:
-    """examples/sft_moe.py under `accelerate launch --config_file config`; its losses, the plugin's
-    figures over the run and its saved weights. A failed launch prints the end of its stderr."""
-    import json
-    import subprocess
-
-    from safetensors.torch import load_file
-
-    from bagualu_plugin.parallel.launch import free_port
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    cmd = [accelerate if os.path.exists(accelerate) else "accelerate", "launch", "--config_file", config,
-           "--main_process_port", str(free_port()), os.path.join(root, "examples", "sft_moe.py"), "--output-dir", out, *flags]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    if done.returncode:
-        print(done.stderr, file=sys.stderr)
-        errors = [line for line in done.stderr.splitlines() if "Error: " in line and "ChildFailedError" not in line]
-        raise AssertionError(f"accelerate launch exited {done.returncode}: {errors[-1:] or done.stderr.splitlines()[-1:]}")
-    records = json.load(open(os.path.join(out, "log_history.json")))
-    weights = load_file(os.path.join(out, "model", "model.safetensors"))
-    figures = {}  # over the run: each figure's largest (misses: their sum)
-    for record in records:
-        for name, value in record.items():
-            if name.startswith("bagualu/"):
-                figures[name] = figures.get(name, 0) + value if name.endswith("misses") else max(figures.get(name, value), value)
-    return [r["loss"] for r in records if "loss" in r], figures, weights
-
-
 @check("HF Trainer under accelerate launch --config_file: FSDP2 and ZeRO-3 plugins (examples/sft_moe.py)")
 def trainer_engines_launched(ctx: Context):
     """The other way to enable an engine: accelerate's config file, the example launched on this
@@ -803,29 +748,35 @@ def trainer_engines_launched(ctx: Context):
     accelerate runs no FSDP2 (DeepSpeed's launch is tested there: tests/test_deepspeed.py)."""
     import importlib.util
     import json
+    from pathlib import Path
 
     from bagualu_plugin.adapters.tiny import save_tiny, tiny_tokenizer
 
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    from helpers import accelerate_config, launch_example  # the tests' launch of the example, shared
+
     ctx.need_cuda()
     results, figures, ok = [], [], True
-    with tempfile.TemporaryDirectory() as workdir:
-        model, corpus = save_tiny("qwen3_moe", os.path.join(workdir, "model")), os.path.join(workdir, "corpus.txt")
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        model, corpus = save_tiny("qwen3_moe", workdir / "model"), workdir / "corpus.txt"
         tiny_tokenizer().save_pretrained(model)
-        with open(corpus, "w") as f:
-            f.write("\n".join(" ".join(["tokens of a short training text"] * (1 + i % 4)) for i in range(16)))
-        common = ("--model", str(model), "--data", corpus, "--steps", "3", "--accumulation", "2", "--max-length", "32",
+        corpus.write_text("\n".join(" ".join(["tokens of a short training text"] * (1 + i % 4)) for i in range(16)))
+        common = ("--model", str(model), "--data", str(corpus), "--steps", "3", "--accumulation", "2", "--max-length", "32",
                   "--attn-implementation", "eager", "--deterministic")
+        hidden = tiny_config("qwen3_moe").hidden_size  # accelerate's plugin fills no "auto" bucket size: the Trainer's rule
         for engine in ("FSDP2", "ZeRO-3"):
             if engine.startswith("ZeRO") and importlib.util.find_spec("deepspeed") is None:
                 results.append(f"{engine}: skipped (deepspeed is not installed)")
                 continue
-            config = _launch_config(engine, workdir)
-            stock, _, theirs = _launched(config, os.path.join(workdir, f"{engine}-stock"), *common, "--no-plugin")
-            _, ample, _ = _launched(config, os.path.join(workdir, f"{engine}-ample"), *common, "--capacity", str(AMPLE))
-            capacity, out = int(SHARE * ample["bagualu/peak_device_bytes"]), os.path.join(workdir, engine)
-            ours, record, mine = _launched(config, out, *common, "--capacity", str(capacity))
-            budget = json.load(open(os.path.join(out, "recipe-rank0.json")))["budget"]
-            same = ours == stock and mine.keys() == theirs.keys() and all(same_bits(mine[k], theirs[k]) for k in mine)
+            config = accelerate_config(workdir, 1, None if engine == "FSDP2" else {"stage": 3, "reduce_bucket_size": hidden * hidden})
+            stock, _, theirs = launch_example(config, workdir / f"{engine}-stock", *common, "--no-plugin", timeout_s=240)
+            _, ample, _ = launch_example(config, workdir / f"{engine}-ample", *common, "--capacity", str(AMPLE), timeout_s=240)
+            capacity, out = int(SHARE * ample["bagualu/peak_device_bytes"]), workdir / engine
+            ours, record, mine = launch_example(config, out, *common, "--capacity", str(capacity), timeout_s=240)
+            budget = json.loads((out / "recipe-rank0.json").read_text())["budget"]
+            same = ours == stock and mine.keys() == theirs.keys() and all(
+                same_bits(mine[f][k], theirs[f][k]) for f in theirs for k in theirs[f])
             misses = ample["bagualu/cost_model_misses"] + record["bagualu/cost_model_misses"]
             good = (same and budget["fsdp"] and record["bagualu/peak_device_bytes"] <= capacity < ample["bagualu/peak_device_bytes"]
                     and record["bagualu/mitigated_ops"] > 0 and not misses and record.get("bagualu/spilled_bytes", 0) == 0)
@@ -836,7 +787,6 @@ def trainer_engines_launched(ctx: Context):
     return "; ".join(results), "; ".join(figures), ok
 
 
-# ---------------------------------------------------------------- driver
 # ---------------------------------------------------------------- driver
 
 

@@ -1,13 +1,20 @@
 """What several test files share: the recipe of a tiny model, one loss-and-gradients step under a
-plan, the relative error of gradients, several ranks' jobs in one launch, and the collectives a
-rank issues. Tests import it as `from helpers import ...` (tests/ is on sys.path: pytest puts a
-rootdir-less test folder there, and tests/conftest.py makes sure; the ranks of
-`parallel.launch.run_ranks` take the parent's sys.path)."""
+plan, the relative error of gradients, several ranks' jobs in one launch, the collectives a
+rank issues, and the Trainer example launched as a user launches it (also for
+benchmarks/gpu_check.py, which puts this folder on sys.path). Tests import it as `from helpers
+import ...` (tests/ is on sys.path: pytest puts a rootdir-less test folder there, and
+tests/conftest.py makes sure; the ranks of `parallel.launch.run_ranks` take the parent's sys.path)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -197,3 +204,83 @@ def collectives(names: tuple[str, ...] = ("all_reduce", "all_to_all_single")) ->
     finally:
         for name, collective in originals.items():
             setattr(dist, name, collective)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# by module: found wherever pip put accelerate, also where its scripts are not beside the interpreter (pip --target)
+ACCELERATE_LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def launched_env() -> dict[str, str]:
+    """A launched process's environment: the source tree importable first, one torch thread per process."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+def run_launch(cmd: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """`cmd`, a launcher (`accelerate launch`, `torchrun`), in a session of its own, its output
+    captured. Past `timeout_s` the whole session is killed, the ranks it started with it (killing
+    the launcher alone leaves them running), and `TimeoutExpired` raised."""
+    with subprocess.Popen(cmd, env=launched_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as launch:
+        try:
+            out, err = launch.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_session(launch)
+            launch.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, launch.returncode, out, err)
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    """Kill `process`'s session (started with `start_new_session=True`), whatever is left of it."""
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def accelerate_config(folder: Path, processes: int, zero: Mapping | None = None) -> Path:
+    """The file `accelerate launch --config_file` reads: `processes` processes on this machine
+    under accelerate's FSDP2 plugin (no `zero`), or its DeepSpeed plugin with `zero` as the JSON
+    config's `zero_optimization`, written beside it (accelerate's plugin takes a reduce bucket
+    size only there, and fills no "auto" in it; the precision is the JSON's: none, FP32).
+    `use_cpu: False` on CPU too: DeepSpeed's CPU accelerator runs it over gloo."""
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if zero is None:
+        name, engine = "fsdp2", {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {
+            "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_offload_params": False, "fsdp_activation_checkpointing": False}}
+    else:
+        name = f"zero{zero['stage']}"
+        (folder / f"{name}.json").write_text(json.dumps({
+            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+            "zero_optimization": {**zero, "stage3_gather_16bit_weights_on_model_save": True},
+        }))
+        engine = {"distributed_type": "DEEPSPEED",
+                  "deepspeed_config": {"deepspeed_config_file": str(folder / f"{name}.json"), "zero3_init_flag": False}}
+    config = folder / f"{name}-{processes}.yaml"
+    config.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "num_processes": processes,
+                                      "machine_rank": 0, "main_training_function": "main", "use_cpu": False, **engine}))
+    return config
+
+
+def launch_example(config: Path, out: Path, *flags: str, timeout_s: float = 300) -> tuple[list, dict, dict]:
+    """examples/sft_moe.py under `accelerate launch --config_file config` (`run_launch`): its log
+    records' losses, the plugin's figures over the run (each one's largest, misses summed) and the
+    tensors it saved, by file. A failed launch raises with the end of its stderr."""
+    from safetensors.torch import load_file
+
+    from bagualu_plugin.parallel.launch import free_port
+
+    done = run_launch([*ACCELERATE_LAUNCH, "--config_file", str(config), "--main_process_port", str(free_port()),
+                       str(ROOT / "examples" / "sft_moe.py"), "--output-dir", str(out), *flags], timeout_s)
+    assert done.returncode == 0, f"accelerate launch exited {done.returncode}:\n{done.stderr[-4000:]}"
+    records = json.loads((out / "log_history.json").read_text())
+    figures: dict = {}
+    for record in records:
+        for name, value in record.items():
+            if name.startswith("bagualu/"):
+                figures[name] = figures.get(name, 0) + value if name.endswith("misses") else max(figures.get(name, value), value)
+    saved = {f.name: load_file(f) for f in sorted((out / "model").glob("*.safetensors"))}
+    return [r.get("loss") for r in records], figures, saved

@@ -22,12 +22,14 @@ DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 def model_dims(model: nn.Module) -> ModelDims:
     """The dimensions of a supported HF model as the analytic cost model needs them (a recipe's
     `model:` section): its config, in the dtype and attention kernel it runs, with the PEFT LoRA
-    adapters injected into it (`get_peft_model`, `inject_adapter_in_model`) as `lora`."""
+    adapters injected into it (`get_peft_model`, `inject_adapter_in_model`) as `lora`, and whether
+    `F.linear` is DeepSpeed ZeRO-3's now (`zero3_linear`: its linears run through it)."""
     adapter = Adapter(model)
     weight = next(adapter.model.parameters())
     dims = ModelDims.from_hf_config(adapter.config, dtype=DTYPES[weight.dtype], attention=_attention_kernel(adapter, weight))
     lora = _lora(adapter, dims, weight.device)
-    return dims if lora is None else ModelDims.model_validate({**dict(dims), "lora": lora})
+    zero3 = getattr(torch.nn.functional.linear, "__module__", None) == "deepspeed.runtime.zero.linear"
+    return dims if lora is None and not zero3 else ModelDims.model_validate({**dict(dims), "lora": lora, "zero3_linear": zero3})
 
 
 def model_cost(

@@ -151,8 +151,10 @@ class _Block:
         alive, `mitigation.holding_regions`). A LoRA adapter on it (PEFT's `lora.Linear`:
         B(A(dropout(x))), x cast to the adapters' dtype first) keeps what A and B read: the input,
         its cast, or dropout's output with, for the input's gradient, dropout's mask (its scaled
-        noise off CUDA); and A's output. Returns whether the output requires grad."""
-        self.save(op, inp, when=self.trains)
+        noise off CUDA); and A's output. DeepSpeed ZeRO-3's linear (`ModelDims.zero3_linear`) keeps
+        the input of a frozen one too, where the input requires grad. Returns whether the output
+        requires grad."""
+        self.save(op, inp, when=self.trains or (self.dims.zero3_linear and self.requires_grad(inp)))
         if not self.trains and self.requires_grad(inp):
             self.save(op, self.tensor(f"{target}.weight", op, LinearForm(), self.b))
         if not self.adapts(target):
@@ -344,7 +346,7 @@ def _router(blk: _Block, h_in: str) -> str:
     x = blk.tensor("router.x32", "router", blk.tok(h), r) if fp32 else h_in
     target = f"mlp.{d.traits.router}.weight"
     adapted = blk.adapts(target)  # PEFT's ParamWrapper: W + scale B A, made in the router and kept for the input's gradient
-    blk.save("router", x, when=blk.trains or adapted)
+    blk.save("router", x, when=blk.trains or adapted or (d.zero3_linear and blk.requires_grad(h_in)))  # F.linear, as linear()
     if adapted or (fp32 and d.autocast):  # the weight a linear reads is a tensor of its own
         weight = blk.tensor("router.weight", "router", LinearForm(const=E * h), r if fp32 else b)
         blk.save("router", weight, when=blk.requires_grad(h_in))

@@ -124,6 +124,11 @@ class ModelDims(_Strict):
         description="how the LM head and loss run: HF's CausalLM forward, or TRL's fused log-prob head (SFTTrainer's "
         "`fused_lm_head`: no logits, its own autograd function)",
     )
+    zero3_linear: bool = Field(
+        default=False,
+        description="F.linear is DeepSpeed ZeRO-3's memory-efficient linear (zero.Init puts it in torch's place), which "
+        "keeps its input whenever it makes a graph node: under LoRA a frozen linear's too",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelDims:

@@ -85,7 +85,6 @@ class BagualuCallback(TrainerCallback):
         planned = self.cost is None  # a given cost model describes plain forwards only
         kind = ForwardKind(fused_head=planned and _fused_head(model), autocast=planned and _autocast(model, accelerator))
         budget = trainer_budget(args, accelerator, model)
-        _check_zero3(accelerator, args.gradient_accumulation_steps)
         recipe = derive_recipe(model, self.recipe, training_args=args, budget=budget).with_output_dir(args.output_dir or ".")
         self.provisioner = Provisioner(model, recipe, self.cost, kind)
 
@@ -196,20 +195,6 @@ def _fused_head(model) -> bool:
             return True
         forward = getattr(forward, "__wrapped__", None)
     return False
-
-
-def _check_zero3(accelerator, accumulation: int) -> None:
-    """DeepSpeed ZeRO-3 over several processes with gradient accumulation is refused: there a
-    micro-batch recomputing layers after one that did not left the ranks in different collectives
-    in backward (one reducing its gradients, the other gathering parameters: a hang, over gloo on
-    CPU, with the same plan on every rank), which plans for single micro-batch steps did not."""
-    plugin = getattr(accelerator, "deepspeed_plugin", None) if engine(accelerator) == "deepspeed" else None
-    if plugin is not None and plugin.zero_stage == 3 and accelerator.num_processes > 1 and accumulation > 1:
-        raise ValueError(
-            f"BagualuCallback: DeepSpeed ZeRO-3 over {accelerator.num_processes} processes with gradient_accumulation_steps="
-            f"{accumulation} is not supported yet: recompute plans that change from one micro-batch to the next left the "
-            "ranks in different collectives in backward (a hang); use ZeRO-2 or FSDP2, or gradient_accumulation_steps=1"
-        )
 
 
 def _check_arguments(args) -> None:

@@ -218,12 +218,13 @@ class _Combine(torch.autograd.Function):
         return grad_out, None, None
 
 
-def any_rank(asks: bool, group: ExpertGroup, device: torch.device) -> bool:
-    """Whether any rank of the group asks (one all-reduce of one integer on `device`, which the
-    process group's backend serves): the gates' agreement on a collective escalation. Every rank
-    calls it at the same gates in the same order."""
+def any_rank(asks: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether any rank of `group` asks (one all-reduce of one integer on `device`, which the
+    process group's backend serves): the gates' agreement on an escalation (the collective one
+    over an expert group; any, in lockstep: `parallel.lockstep`). Every rank calls it at the same
+    gates in the same order."""
     flag = torch.tensor([int(asks)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group.group)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
 

@@ -212,18 +212,25 @@ class Decider:
             gates, slack = foresight.plan(budget)
         return Forward(k, budget, gates, gates.decision.plan, slack, self.budgets.headroom(k), band.balanced)
 
-    def at_gate(self, f: Forward, layer: int, pairs: float, agree: Callable[[bool], bool] | None = None) -> GateDecision:
+    def at_gate(
+        self, f: Forward, layer: int, pairs: float, agree: Callable[[bool], bool] | None = None,
+        lockstep: Callable[[bool], bool] | None = None,
+    ) -> GateDecision:
         """Deferred planning: `pairs` local routed pairs reached `layer`'s experts, which have not
         run yet; an escalation recomputes them (`f.plan` then says so). `agree`: under expert
         parallelism, whether any rank of the group asks for the layer's collective escalation,
         given this rank's ask (called at every gate that has one, so every rank calls it in the
-        same order); the rank joins when another asked. None: this rank's ask stands alone (the
-        simulator's rank, the busiest of its group)."""
+        same order); the rank joins when another asked. `lockstep`: the same for any escalation,
+        at every gate, where the ranks recompute in lockstep (`parallel.lockstep`). None: this
+        rank's ask stands alone (the simulator's rank, the busiest of its group)."""
         f.routed[layer] = pairs
         decision = f.gates.at_gate(layer, pairs, f.slack, f.headroom)
         if agree is not None and f.gates.costs[layer].collective is not None:
             if agree(decision.action == "collective") and decision.action != "collective":
                 decision = f.gates.join(layer, pairs, f.slack, f.headroom)
+        escalates = decision.action in ("escalate", "collective")
+        if lockstep is not None and lockstep(escalates) and not escalates:
+            decision = f.gates.join(layer, pairs, f.slack, f.headroom, "escalate")
         f.slack, f.headroom = decision.slack, decision.headroom
         if decision.action == "defer":
             f.deferred.append(Deferral(layer, pairs, decision.overrun))

@@ -179,11 +179,13 @@ class GatePlan:
             c.collective_bytes(pairs, planned),
         )
 
-    def join(self, layer: int, pairs: float, slack: float, headroom: float) -> GateDecision:
-        """The collective escalation of `layer` on a rank that did not ask for it (another rank of
-        the group did), from the slack and headroom it had before its own decision."""
-        c = self.costs[layer]
-        return GateDecision("collective", 0.0, slack - c.collective_bytes(pairs, self.planned[layer]), headroom)
+    def join(self, layer: int, pairs: float, slack: float, headroom: float, action: str = "collective") -> GateDecision:
+        """`action` ("collective", or "escalate": the experts alone) for `layer` on a rank that did
+        not ask for it (another rank of the group did), from the slack and headroom it had before
+        its own decision."""
+        c, planned = self.costs[layer], self.planned[layer]
+        cost = c.collective_bytes(pairs, planned) if action == "collective" else c.escalation_bytes(pairs, planned)
+        return GateDecision(action, 0.0, slack - cost, headroom)
 
 
 def plan_for_gates(

@@ -12,7 +12,8 @@ layer's experts with their all-to-alls on every rank (the collective escalation,
 paper recomputes the whole MoE block). After the forward the budget is replaced by what the
 Ledger counted. A save that would still go past the capacity (a forward keeping more than its
 cost model said, after its last gate) first moves activations kept earlier to host memory
-(`Ledger.spill_at`). The engine
+(`Ledger.spill_at`). Where an engine gathers the weights module by module over several
+processes (ZeRO-3, FSDP), the ranks recompute in lockstep (`parallel.lockstep`). The engine
 (`runtime.driver.run_iteration`, or nanotron's pipeline) calls `begin_forward`, `end_forward`,
 `end_backward`.
 """
@@ -42,6 +43,7 @@ from ..costmodel import CostModel
 from ..costmodel.graph import COLLECTIVE_OPS, OpId
 from ..derive import derive_recipe
 from ..parallel.expert import any_rank, expert_group
+from ..parallel.lockstep import lockstep_group, recomputed_anywhere
 from ..planner.decider import Band, Decider, Deferral, Escalation, Foresight, Forward
 from ..planner.gate import escalated
 from ..stage import Stage, mitigation_options
@@ -222,6 +224,7 @@ class Provisioner:
         self.gate.active = False
         self.runtime.tracker.listeners.append(self._entered)
         self._groups = {part.index: expert_group(part.experts) for part in adapter.layers if part.moe}  # None: one process
+        self._lockstep, self._ops = lockstep_group(recipe), first.ops()  # the ranks that recompute the same ops, and those ops
         self.telemetry = _telemetry_file(recipe)  # open for the Provisioner's life: a line per event, flushed as written
         if self.telemetry is not None:
             weakref.finalize(self, self.telemetry.close)
@@ -392,9 +395,11 @@ class Provisioner:
                 "degree, or shorten the micro-batch",
                 RuntimeWarning, stacklevel=2,
             )
-        self.runtime.set_plan(decision.plan)
+        if self._lockstep is not None:  # every op another rank of the group recomputes, recomputed here too
+            decided.plan = recomputed_anywhere(decided.plan, self._ops, self._lockstep, self.ledger.device)
+        self.runtime.set_plan(decided.plan)
         event = Event(
-            mb, scheduled, budget, decision.activation_bytes, decision.plan.named(), decided.escalations, decided.deferred, tokens, seq_len,
+            mb, scheduled, budget, decision.activation_bytes, decided.plan.named(), decided.escalations, decided.deferred, tokens, seq_len,
             decision.room_bytes, routed=decided.routed, balanced_pairs=decided.balanced, kind=kind._asdict(),
             capacity=self.stage.capacity, forward=self.forwards, mitigation_s=decision.forward_extra_s + decision.backward_extra_s,
             ids_view_bytes=view, varlen_bytes=varlen_bytes,
@@ -474,8 +479,10 @@ class Provisioner:
         if beyond > 0:
             f.decided.slack -= beyond
             f.beyond += beyond
-        agree = None if group is None else (lambda asks: any_rank(asks, group, local_pairs.device))
-        self.decider.at_gate(f.decided, layer, pairs, agree)
+        device = self.ledger.device
+        agree = None if group is None else (lambda asks: any_rank(asks, group.group, device))
+        lockstep = None if self._lockstep is None else (lambda asks: any_rank(asks, self._lockstep, device))
+        self.decider.at_gate(f.decided, layer, pairs, agree, lockstep)
         if f.decided.plan is not before:
             self.runtime.set_plan(f.decided.plan)
 
