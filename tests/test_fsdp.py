@@ -80,6 +80,7 @@ def ranks() -> dict[str, list]:
     """Every case of both tests below, in one launch: each job's results in rank order."""
     jobs = {name: (_micro_batch, capacity) for name, capacity in CAPACITIES.items()}
     jobs["fused head"] = (_micro_batch, CAPACITIES["planned"], True)
+    jobs["lockstep"] = (_lockstep,)
     return run_jobs(2, {**jobs, **{units: (_all_gathers, units) for units in UNITS}}, timeout_s=120)
 
 
@@ -151,3 +152,39 @@ def test_recompute_adds_no_all_gather_under_fsdp2(ranks, units):
     gathers its inner units, whose backward then finds them gathered)."""
     for counts in ranks[units]:
         assert counts["none"] > 0 and counts["per op"] == counts["whole layers"] == counts["none"], counts
+
+
+def _lockstep(rank: int, size: int) -> dict:
+    """`parallel.lockstep` on each rank: the group of a full-sharding recipe, the plans after
+    `recomputed_anywhere` from plans that differ per rank, an escalation one rank asks for."""
+    from bagualu_plugin.costmodel import OpId
+    from bagualu_plugin.costmodel.plan import Plan
+    from bagualu_plugin.parallel.expert import any_rank
+    from bagualu_plugin.parallel.lockstep import lockstep_group, recomputed_anywhere
+
+    model = tiny_model("qwen3_moe", num_hidden_layers=2)
+    groups = {}
+    for name, sections in {"fsdp": {"budget": {"fsdp": True}}, "ddp": {}, "pipeline": {"budget": {"fsdp": True}}}.items():
+        pipeline = {"pp": 2 if name == "pipeline" else 1, "micro_batches": 2}
+        recipe = tiny_recipe(model, seq_len=SEQ, micro_batch_size=MBS, pipeline=pipeline, **sections)
+        try:
+            groups[name] = lockstep_group(recipe) is torch.distributed.group.WORLD
+        except ValueError as error:
+            groups[name] = str(error)
+    ops = Adapter(model).ops()
+    mine = [{OpId(0, "attn_core"): "recompute"}, {OpId(0, "attn_core"): "offload", OpId(1, "expert_fc1"): "offload"}][rank]
+    plan = recomputed_anywhere(Plan(mine), ops, torch.distributed.group.WORLD, torch.device("cpu"))
+    return {"groups": groups, "plan": plan.named(), "asked": any_rank(rank == 0, torch.distributed.group.WORLD, torch.device("cpu"))}
+
+
+def test_the_ranks_recompute_in_lockstep_under_full_sharding(ranks):
+    """Under a full-sharding engine over several processes a region's replay gathers weights
+    (ZeRO-3 gathers every module, FSDP2 a unit a whole layer's replay reaches before backward
+    would), so the ranks recompute the same ops: each takes every op another recomputes (its own
+    offloads stay), and an escalation one rank asks for is every rank's. Refused with a pipeline,
+    whose data-parallel group the plugin does not know; nothing to agree on without sharding."""
+    for rank, found in enumerate(ranks["lockstep"]):
+        assert found["groups"]["fsdp"] is True and found["groups"]["ddp"] is False
+        assert "budget.fsdp with pipeline.pp=2" in found["groups"]["pipeline"] and "pipeline.pp must be 1" in found["groups"]["pipeline"]
+        assert found["plan"] == ({"0.attn_core": "recompute"} if rank == 0 else {"0.attn_core": "recompute", "1.expert_fc1": "offload"})
+        assert found["asked"] is True
