@@ -23,7 +23,7 @@ pytest.importorskip("trl")
 pytest.importorskip("peft")
 
 from datasets import Dataset  # noqa: E402
-from helpers import ACCELERATE_LAUNCH, kill_session, launched_env, run_launch  # noqa: E402
+from helpers import ACCELERATE_LAUNCH, ROOT, kill_session, launched_env, run_launch  # noqa: E402
 from peft import LoraConfig  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import (  # noqa: E402
@@ -43,7 +43,6 @@ from bagualu_plugin.integrations.transformers import BagualuCallback, UnplannedC
 from bagualu_plugin.parallel.launch import free_port  # noqa: E402
 from bagualu_plugin.report import read_run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("glm4_moe", "deepseek_v3", "qwen3_moe")
 M, BATCH, LENGTH, STEPS = 4, 2, 40, 2
 EXACT = {"allowed": ["recompute", "offload"]}  # fp8 is lossy by design
