@@ -14,9 +14,12 @@ compute dominates as it does on real models: through the plugin's 1F1B driver (`
 rank 0 of 4), and under HF's Trainer with `BagualuCallback` against a plain Trainer (no pipeline,
 the zero-configuration path: the recipe derived, the micro-batches found on the model; a training
 step there includes the optimizer's), in one process and per engine that runs on CPU: DDP over 2
-gloo processes, and the routed experts sharded over them (expert parallelism inside DDP).
+gloo processes, the routed experts sharded over them (expert parallelism inside DDP), and
+DeepSpeed ZeRO-2 and ZeRO-3 over 2 processes (its CPU accelerator; `accelerate launch` with
+DeepSpeed's plugin, one launch per copy, the two taking turns step by step). Under ZeRO-3 the
+planner's time includes the ranks' agreement on what they recompute (`parallel.lockstep`).
 
-    python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~10 min on 2 CPU cores)
+    python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~30 min on 2 CPU cores)
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,7 +43,7 @@ from bagualu_plugin.collector import ManualCollector
 from bagualu_plugin.costmodel import ModelDims
 from bagualu_plugin.demo.collectives import max_over_ranks
 from bagualu_plugin.demo.model import rank_batches, rank_model
-from bagualu_plugin.parallel.launch import run_ranks
+from bagualu_plugin.parallel.launch import free_port, run_ranks
 from bagualu_plugin.report import table
 from bagualu_plugin.runtime.driver import run_iteration
 from bagualu_plugin.stage import Stage
@@ -118,6 +124,63 @@ def _larger(iterations: int) -> dict:
     return _alternate(make, batches, recipe, iterations)
 
 
+def _step_clock(collector: ManualCollector, turns: tuple | None = None):
+    """A Trainer callback timing each optimizer step and collecting garbage after it. With `turns`
+    (a `TCPStore` and this copy's name), each step waits for the benchmark to hand this copy its
+    turn and hands its time back: two launches take turns step by step (`_zero`)."""
+    from transformers import TrainerCallback
+
+    store, name = turns or (None, None)
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.times = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if store:
+                store.wait([f"{name}/go/{len(self.times)}"])
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            elapsed = time.perf_counter() - self.start
+            collector.step()  # before the turn goes back: the other copy's step runs alone
+            if store:
+                store.set(f"{name}/time/{len(self.times)}/{args.process_index}", repr(elapsed))
+            self.times.append(elapsed)
+
+    return StepClock()
+
+
+def _make_trainer(model, out: str, steps: int, callbacks: list):
+    """The HF Trainer of the Trainer rows: `steps` optimizer steps of M accumulated micro-batches
+    of BATCH x SEQ random tokens (the same on every copy), nothing logged or saved."""
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, model.config.vocab_size, (SEQ,), generator=g) for _ in range(steps * BATCH * M)]
+    arguments = TrainingArguments(
+        output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=M, max_steps=steps, learning_rate=1e-4,
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=arguments, train_dataset=[{"input_ids": ids, "labels": ids} for ids in rows], callbacks=callbacks)
+    trainer.remove_callback(PrinterCallback)  # each train()'s summary line would break the table
+    return trainer
+
+
+def _ample_recipe(model) -> dict:
+    """The callback's recipe at ample capacity; the rest it derives from the model and the Trainer."""
+    from bagualu_plugin.adapters.costs import model_cost
+
+    keep = model_cost(model).activation_bytes(BATCH * SEQ, seq_len=SEQ)
+    return {"hardware": {"capacity_bytes": AMPLE * keep}, "budget": {"non_activation_bytes": 0}}
+
+
+def _planner(events) -> dict:
+    """The planner's time and the mitigated micro-batches over the timed steps' `events`."""
+    return {"planner_s": sum(e.planner_s for e in events), "forwards": len(events),
+            "mitigated": sum(bool(e.plan) or bool(e.escalations) for e in events)}
+
+
 def _trainer(iterations: int, ep: bool = False) -> dict:
     """The larger model under HF's Trainer as its users run it, with `BagualuCallback` (the plugin
     derives its recipe from the model and the training arguments, and finds each micro-batch on
@@ -126,62 +189,37 @@ def _trainer(iterations: int, ep: bool = False) -> dict:
     `train()`'s set-up: the optimizer, the data loader, the plugin's install). In a process group
     (`_trainer_rank`) each Trainer wraps its copy in DDP; `ep`: the routed experts sharded over
     the processes (the plain copy's as the callback shards them)."""
-    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
-
-    from bagualu_plugin.adapters.costs import model_cost
     from bagualu_plugin.integrations.accelerate import shard_experts_for_ddp
     from bagualu_plugin.integrations.transformers import BagualuCallback
-
-    class StepClock(TrainerCallback):
-        def __init__(self, collector: ManualCollector):
-            self.collector, self.times = collector, []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
-            self.collector.step()
 
     plain = _make_larger()
     ours = _make_larger()
     ours.load_state_dict(plain.state_dict())
-    keep = model_cost(plain).activation_bytes(BATCH * SEQ, seq_len=SEQ)
-    recipe = {"hardware": {"capacity_bytes": AMPLE * keep}, "budget": {"non_activation_bytes": 0}}
+    recipe = _ample_recipe(plain)
     if ep:
         recipe["parallel"] = {"ep": dist.get_world_size()}
         for model in (plain, ours):
             model.set_experts_implementation("bagualu")
         shard_experts_for_ddp(plain)  # the callback shards its own copy at the Trainer's init
     callback = BagualuCallback(recipe)
-    g = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, plain.config.vocab_size, (SEQ,), generator=g) for _ in range(STEPS * BATCH * M)]
-    dataset = [{"input_ids": ids, "labels": ids} for ids in rows]
     times = {"plugin": [], "plain": []}
+    planner = {"planner_s": 0, "forwards": 0, "mitigated": 0}
     with tempfile.TemporaryDirectory() as out, ManualCollector() as collector:
-        arguments = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=M, max_steps=STEPS, learning_rate=1e-4,
-            report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
-        )
-        clocks = {name: StepClock(collector) for name in times}
+        clocks = {name: _step_clock(collector) for name in times}
         trainers = {
-            "plugin": Trainer(model=ours, args=arguments, train_dataset=dataset, callbacks=[callback, clocks["plugin"]]),
-            "plain": Trainer(model=plain, args=arguments, train_dataset=dataset, callbacks=[clocks["plain"]]),
+            "plugin": _make_trainer(ours, out, STEPS, [callback, clocks["plugin"]]),
+            "plain": _make_trainer(plain, out, STEPS, [clocks["plain"]]),
         }
-        for trainer in trainers.values():
-            trainer.remove_callback(PrinterCallback)  # each train()'s summary line would break the table
-        planner_s = forwards = mitigated = 0
         for _ in range(iterations):
             for name, trainer in trainers.items():
                 trainer.train()
                 times[name] += clocks[name].times[1 - STEPS:]
-            prov = callback.provisioner  # this train()'s: the timed steps' forwards are its last M each
-            events = list(prov.events)[M - M * STEPS:]
-            planner_s += sum(e.planner_s for e in events)
-            forwards += len(events)
-            mitigated += sum(bool(e.plan) or bool(e.escalations) for e in events)
-    return {"times": times, "planner_s_per_micro_batch": planner_s / forwards, "mitigated_micro_batches": mitigated,
-            "micro_batches": M, "tokens": BATCH * SEQ * M * (dist.get_world_size() if dist.is_initialized() else 1)}
+            # this train()'s provisioner: the timed steps' forwards are its last M each
+            for key, value in _planner(list(callback.provisioner.events)[M - M * STEPS:]).items():
+                planner[key] += value
+    return {"times": times, "planner_s_per_micro_batch": planner["planner_s"] / planner["forwards"],
+            "mitigated_micro_batches": planner["mitigated"], "micro_batches": M,
+            "tokens": BATCH * SEQ * M * (dist.get_world_size() if dist.is_initialized() else 1)}
 
 
 def _trainer_rank(rank: int, size: int, iterations: int, ep: bool) -> dict:
@@ -194,6 +232,73 @@ def _trainer_rank(rank: int, size: int, iterations: int, ep: bool) -> dict:
     return out
 
 
+ZERO_PROCESSES = 2
+
+
+def _zero(stage: int, iterations: int) -> dict:
+    """The Trainer rows under DeepSpeed ZeRO `stage` over ZERO_PROCESSES processes, each copy in an
+    `accelerate launch` of its own (accelerate holds one DeepSpeed engine per process): the
+    launches run side by side and take turns step by step, this process handing out the turns
+    through a `TCPStore`; as many timed steps as the in-process rows, after one warm-up step.
+    Each step's time is the slowest process's."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers import ACCELERATE_LAUNCH, accelerate_config, kill_session, launched_env  # the tests' launch, shared
+
+    steps = 1 + (STEPS - 1) * iterations
+    names = ("plugin", "plain")
+    times = {name: [] for name in names}
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+        config = accelerate_config(folder, ZERO_PROCESSES, zero={"stage": stage})
+        launches = {}
+        try:
+            for name in names:
+                log = open(folder / f"{name}.log", "w")
+                launches[name] = subprocess.Popen(
+                    [*ACCELERATE_LAUNCH, "--config_file", str(config), "--main_process_port", str(free_port()), __file__,
+                     "--zero-worker", name, "--store-port", str(store.port), "--steps", str(steps), "--out", str(folder)],
+                    env=launched_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            deadline = time.monotonic() + 900
+            for step in range(steps):
+                for name in names:
+                    store.set(f"{name}/go/{step}", "")
+                    keys = [f"{name}/time/{step}/{rank}" for rank in range(ZERO_PROCESSES)]
+                    while not store.check(keys):
+                        if launches[name].poll() is not None or time.monotonic() > deadline:
+                            tail = (folder / f"{name}.log").read_text()[-4000:]
+                            raise RuntimeError(f"the {name} launch under ZeRO-{stage} stopped at step {step} "
+                                               f"(exit {launches[name].returncode}):\n{tail}")
+                        time.sleep(0.02)  # the steps are timed in the launches: this wait adds nothing to them
+                    if step:
+                        times[name].append(max(float(store.get(key)) for key in keys))
+            for name, launch in launches.items():
+                if launch.wait(timeout=120):
+                    raise RuntimeError(f"the {name} launch exited {launch.returncode}:\n{(folder / f'{name}.log').read_text()[-4000:]}")
+        finally:
+            for launch in launches.values():
+                kill_session(launch)
+        planner = json.loads((folder / "planner.json").read_text())
+    return {"times": times, "planner_s_per_micro_batch": planner["planner_s"] / planner["forwards"],
+            "mitigated_micro_batches": planner["mitigated"], "micro_batches": M, "tokens": BATCH * SEQ * M * ZERO_PROCESSES}
+
+
+def _zero_worker(name: str, store_port: int, steps: int, out: str) -> None:
+    """One process of `_zero`'s launch of copy `name`: the Trainer taking its turns, with the
+    callback for "plugin" (whose first process writes the planner's figures to `out`)."""
+    from bagualu_plugin.integrations.transformers import BagualuCallback
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False)
+    model = _make_larger()  # seeded: the same weights in every process of both launches
+    callback = BagualuCallback(_ample_recipe(model)) if name == "plugin" else None
+    with ManualCollector() as collector:
+        trainer = _make_trainer(model, out, steps, [c for c in (callback, _step_clock(collector, (store, name))) if c])
+        trainer.train()
+    if callback and trainer.args.process_index == 0:
+        (Path(out) / "planner.json").write_text(json.dumps(_planner(list(callback.provisioner.events)[M:])))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -201,7 +306,11 @@ def main() -> None:
         help=f"measured iterations of each copy (after one warm-up); a Trainer row's is a train() of {STEPS} steps, {STEPS - 1} timed",
     )
     parser.add_argument("--json", default=None, help="also write the rows as JSON")
+    for worker in ("--zero-worker", "--store-port", "--steps", "--out"):  # a ZeRO row's launched process (`_zero`)
+        parser.add_argument(worker, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.zero_worker:
+        return _zero_worker(args.zero_worker, int(args.store_port), int(args.steps), args.out)
     if args.iterations < 1:
         parser.error(f"--iterations must be >= 1, got {args.iterations}")
     demo = bgl.load_recipe("demo")
@@ -211,6 +320,7 @@ def main() -> None:
         "the same, HF Trainer + BagualuCallback": _trainer(args.iterations),
         "the same, Trainer, DDP over 2 processes": run_ranks(_trainer_rank, 2, args.iterations, False, timeout_s=900)[0],
         "the same, Trainer, experts over 2 processes": run_ranks(_trainer_rank, 2, args.iterations, True, timeout_s=900)[0],
+        **{f"the same, Trainer, ZeRO-{stage} over {ZERO_PROCESSES} processes": _zero(stage, args.iterations) for stage in (2, 3)},
     }
     rows, out = [], []
     for name, r in runs.items():

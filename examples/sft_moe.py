@@ -4,7 +4,7 @@ sharded over them).
 
     accelerate launch --multi_gpu --num_processes 2 examples/sft_moe.py \\
         --model CKPT --data corpus.txt --output-dir out [--capacity 40GiB] [--lora] [--ep] [--no-plugin] [--report-to tensorboard] \\
-        [--attn-implementation eager] [--deterministic]
+        [--attn-implementation eager] [--deterministic] [--deepspeed ds_config.json]
 
 The recipe is derived (the model's dimensions, the device and its memory, the processes, the
 gradient-accumulation steps); on CPU `--capacity` is the simulated device memory the plugin plans
@@ -54,6 +54,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=48, help="tokens per sequence at most")
     parser.add_argument("--lora", action="store_true", help="PEFT LoRA on the attention projections")
     parser.add_argument("--ep", action="store_true", help="expert parallelism over all processes")
+    parser.add_argument("--deepspeed", default=None, metavar="JSON",
+                        help="DeepSpeed's config, through the Trainer's own deepspeed argument (as `accelerate launch --config_file` does)")
     parser.add_argument("--no-plugin", action="store_true", help="the same run without the callback")
     parser.add_argument("--strategies", default="recompute,offload", help="what the plugin may do (fp8 too: not bitwise)")
     parser.add_argument("--report-to", nargs="*", default=[], metavar="LOGGER", help="the Trainer's report_to (default: none)")
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         output_dir=str(args.output_dir), per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulation,
         max_steps=args.steps, learning_rate=args.lr, logging_steps=1, report_to=args.report_to, save_strategy="no", seed=args.seed,
         use_cpu=cpu, gradient_checkpointing=False,  # the plugin owns recompute; TRL turns this on by default
-        ddp_find_unused_parameters=False,
+        ddp_find_unused_parameters=False, deepspeed=args.deepspeed,
         # the checkpoint's own precision (TRL's default autocasts to bf16, whose casts of FP32 weights the
         # cost model does not describe: the plugin would warn that they kept other bytes)
         bf16=model.dtype == torch.bfloat16,

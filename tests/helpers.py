@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
@@ -241,9 +241,9 @@ def kill_session(process: subprocess.Popen) -> None:
 def accelerate_config(folder: Path, processes: int, zero: Mapping | None = None) -> Path:
     """The file `accelerate launch --config_file` reads: `processes` processes on this machine
     under accelerate's FSDP2 plugin (no `zero`), or its DeepSpeed plugin with `zero` as the JSON
-    config's `zero_optimization`, written beside it (accelerate's plugin takes a reduce bucket
-    size only there, and fills no "auto" in it; the precision is the JSON's: none, FP32).
-    `use_cpu: False` on CPU too: DeepSpeed's CPU accelerator runs it over gloo."""
+    config's `zero_optimization`, written beside it (`deepspeed_config`: accelerate's plugin takes
+    a reduce bucket size only there). `use_cpu: False` on CPU too: DeepSpeed's CPU accelerator
+    runs it over gloo."""
     import yaml
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -253,28 +253,39 @@ def accelerate_config(folder: Path, processes: int, zero: Mapping | None = None)
             "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_offload_params": False, "fsdp_activation_checkpointing": False}}
     else:
         name = f"zero{zero['stage']}"
-        (folder / f"{name}.json").write_text(json.dumps({
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
-            "zero_optimization": {**zero, "stage3_gather_16bit_weights_on_model_save": True},
-        }))
         engine = {"distributed_type": "DEEPSPEED",
-                  "deepspeed_config": {"deepspeed_config_file": str(folder / f"{name}.json"), "zero3_init_flag": False}}
+                  "deepspeed_config": {"deepspeed_config_file": str(deepspeed_config(folder, zero)), "zero3_init_flag": False}}
     config = folder / f"{name}-{processes}.yaml"
     config.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "num_machines": 1, "num_processes": processes,
                                       "machine_rank": 0, "main_training_function": "main", "use_cpu": False, **engine}))
     return config
 
 
-def launch_example(config: Path, out: Path, *flags: str, timeout_s: float = 300) -> tuple[list, dict, dict]:
-    """examples/sft_moe.py under `accelerate launch --config_file config` (`run_launch`): its log
-    records' losses, the plugin's figures over the run (each one's largest, misses summed) and the
-    tensors it saved, by file. A failed launch raises with the end of its stderr."""
+def deepspeed_config(folder: Path, zero: Mapping, **fields) -> Path:
+    """DeepSpeed's JSON config with `zero` as its `zero_optimization` and `fields` beside it, the
+    batch sizes "auto" (the Trainer fills them in; the precision is none, FP32), written in
+    `folder`: for the Trainer's own `deepspeed` argument or accelerate's plugin (`accelerate_config`)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"zero{zero['stage']}.json"
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+        "zero_optimization": {**zero, "stage3_gather_16bit_weights_on_model_save": True}, **fields,
+    }))
+    return path
+
+
+def launch_example(launcher: Path | Sequence[str], out: Path, *flags: str, timeout_s: float = 300) -> tuple[list, dict, dict]:
+    """examples/sft_moe.py under `launcher` (`run_launch`): `accelerate launch --config_file` of
+    that file (a Path), or the command given (torchrun's). Its log records' losses, the plugin's
+    figures over the run (each one's largest, misses summed) and the tensors it saved, by file. A
+    failed launch raises with the end of its stderr."""
     from safetensors.torch import load_file
 
     from bagualu_plugin.parallel.launch import free_port
 
-    done = run_launch([*ACCELERATE_LAUNCH, "--config_file", str(config), "--main_process_port", str(free_port()),
-                       str(ROOT / "examples" / "sft_moe.py"), "--output-dir", str(out), *flags], timeout_s)
+    if isinstance(launcher, Path):
+        launcher = [*ACCELERATE_LAUNCH, "--config_file", str(launcher), "--main_process_port", str(free_port())]
+    done = run_launch([*launcher, str(ROOT / "examples" / "sft_moe.py"), "--output-dir", str(out), *flags], timeout_s)
     assert done.returncode == 0, f"accelerate launch exited {done.returncode}:\n{done.stderr[-4000:]}"
     records = json.loads((out / "log_history.json").read_text())
     figures: dict = {}

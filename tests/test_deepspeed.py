@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO over gloo processes on CPU (DeepSpeed's CPU accelerator): under `bgl.apply` with
 `deepspeed.initialize`, and under the Trainer as `accelerate launch --config_file` runs it with a
-DeepSpeed plugin (at the end of this file). The recipe prices each rank's
+DeepSpeed plugin and as the Trainer's own `deepspeed` argument runs it under torchrun (at the end
+of this file). The recipe prices each rank's
 static bytes from the engine's own config (`zero_budget`, as the Trainer path does), and the
 shards and reduce buckets it prices are the ones DeepSpeed really holds: stage 2's optimizer
 partition and stage 3's weight partitions each hold half the parameters on each rank, and each
@@ -18,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ import torch
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from helpers import accelerate_config, launch_example, run_jobs, tiny_recipe  # noqa: E402
+from helpers import accelerate_config, deepspeed_config, launch_example, run_jobs, tiny_recipe  # noqa: E402
 
 import bagualu_plugin as bgl  # noqa: E402
 from bagualu_plugin.adapters import tiny_model  # noqa: E402
@@ -209,9 +211,15 @@ def test_the_trainer_under_accelerate_s_deepspeed_plugin(tmp_path, trainer, lora
                                                           "stage3_param_persistence_threshold": 0})
     common = ("--model", str(model), "--data", str(corpus), "--trainer", trainer, "--steps", "2", "--accumulation", "2",
               "--max-length", "40", *(("--lora",) if lora else ()))
-    stock, unplanned, theirs = launch_example(config, tmp_path / "stock", *common, "--no-plugin")
+    _planned_as_stock(tmp_path, config, common, processes, stage)
+
+
+def _planned_as_stock(tmp_path: Path, launcher, common: tuple, processes: int, stage: int) -> None:
+    """examples/sft_moe.py under `launcher` (`launch_example`) with the flags `common`: without
+    the plugin, then with it at 93% of what that run needed; checked as the tests above say."""
+    stock, unplanned, theirs = launch_example(launcher, tmp_path / "stock", *common, "--no-plugin")
     capacity = int(0.93 * unplanned["bagualu/unplanned_peak_device_bytes"])
-    ours, figures, mine = launch_example(config, tmp_path / "ours", *common, "--capacity", str(capacity))
+    ours, figures, mine = launch_example(launcher, tmp_path / "ours", *common, "--capacity", str(capacity))
     assert ours == stock and mine.keys() == theirs.keys() and mine
     assert all(torch.equal(mine[f][k], theirs[f][k]) for f in theirs for k in theirs[f])
     assert figures["bagualu/peak_device_bytes"] <= capacity < unplanned["bagualu/unplanned_peak_device_bytes"]
@@ -227,3 +235,23 @@ def test_the_trainer_under_accelerate_s_deepspeed_plugin(tmp_path, trainer, lora
         recipe = json.loads((tmp_path / "ours" / f"recipe-rank{rank}.json").read_text())
         assert recipe["parallel"]["dp"] == processes and recipe["budget"]["shard_gradients"]
         assert recipe["budget"]["fsdp"] == (stage == 3)
+
+
+def test_the_trainers_own_deepspeed_argument(tmp_path):
+    """The Trainer's own `deepspeed` argument (`TrainingArguments(deepspeed="ds_config.json")`,
+    the example's `--deepspeed`) under torchrun on 2 processes: the Trainer makes accelerate's
+    DeepSpeed plugin from the JSON, filling its "auto" values, and the callback prices that
+    engine: here ZeRO-3 with the parameters and the optimizer state offloaded (the Trainer's
+    AdamW on them, `zero_force_ds_cpu_optimizer: false`; DeepSpeed's own CPU Adam is an op it
+    compiles), under SFTTrainer with LoRA. Checked as under accelerate's plugin."""
+    model, corpus = _checkpoint(tmp_path, "glm4_moe")
+    ds = deepspeed_config(tmp_path, {"stage": 3, "reduce_bucket_size": 64 * 64, "stage3_param_persistence_threshold": 0,
+                                     "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+                          zero_force_ds_cpu_optimizer=False)  # the Trainer's AdamW, not DeepSpeed's compiled CPU Adam
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    common = ("--model", str(model), "--data", str(corpus), "--deepspeed", str(ds), "--lora", "--steps", "2",
+              "--accumulation", "2", "--max-length", "40")
+    _planned_as_stock(tmp_path, torchrun, common, 2, 3)
+    for rank in (0, 1):
+        budget = json.loads((tmp_path / "ours" / f"recipe-rank{rank}.json").read_text())["budget"]
+        assert budget["offload_params"] and budget["offload_optimizer"]
