@@ -251,10 +251,9 @@ def _zero(stage: int, iterations: int) -> dict:
         folder = Path(folder)
         store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
         config = accelerate_config(folder, ZERO_PROCESSES, zero={"stage": stage})
-        launches = {}
+        launches, logs = {}, {name: open(folder / f"{name}.log", "w") for name in names}
         try:
-            for name in names:
-                log = open(folder / f"{name}.log", "w")
+            for name, log in logs.items():
                 launches[name] = subprocess.Popen(
                     [*ACCELERATE_LAUNCH, "--config_file", str(config), "--main_process_port", str(free_port()), __file__,
                      "--zero-worker", name, "--store-port", str(store.port), "--steps", str(steps), "--out", str(folder)],
@@ -279,6 +278,8 @@ def _zero(stage: int, iterations: int) -> dict:
         finally:
             for launch in launches.values():
                 kill_session(launch)
+            for log in logs.values():
+                log.close()
         planner = json.loads((folder / "planner.json").read_text())
     return {"times": times, "planner_s_per_micro_batch": planner["planner_s"] / planner["forwards"],
             "mitigated_micro_batches": planner["mitigated"], "micro_batches": M, "tokens": BATCH * SEQ * M * ZERO_PROCESSES}
