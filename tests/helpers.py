@@ -286,7 +286,7 @@ def launch_example(launcher: Path | Sequence[str], out: Path, *flags: str, timeo
     if isinstance(launcher, Path):
         launcher = [*ACCELERATE_LAUNCH, "--config_file", str(launcher), "--main_process_port", str(free_port())]
     done = run_launch([*launcher, str(ROOT / "examples" / "sft_moe.py"), "--output-dir", str(out), *flags], timeout_s)
-    assert done.returncode == 0, f"accelerate launch exited {done.returncode}:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, f"python {' '.join(launcher[1:3])} exited {done.returncode}:\n{done.stderr[-4000:]}"
     records = json.loads((out / "log_history.json").read_text())
     figures: dict = {}
     for record in records:
