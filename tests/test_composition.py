@@ -220,7 +220,7 @@ def test_a_compiled_training_forward_is_refused_by_name_and_the_model_trains_on_
     plugin finds it (the model's hooks, `prov.micro_batch()`, the 1F1B driver), the micro-batch is
     dropped, and the same model trains on uncompiled with its plans."""
     torch.manual_seed(0)
-    model = tiny_model("qwen3_moe", num_hidden_layers=2)
+    model = tiny_model("mixtral", num_hidden_layers=1)
     recipe = tiny_recipe(model, seq_len=16, micro_batch_size=2, capacity=0.7, pipeline={"pp": 1, "micro_batches": 1},
                          strategies={"allowed": ["recompute", "offload"]})
     prov = bgl.apply(model, recipe)

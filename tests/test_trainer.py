@@ -240,25 +240,42 @@ KEPT = {("sft", True, True, "qwen3_moe"), ("hf", False, False, "deepseek_v3")}
 SHARE = 0.93  # the capacity: this share of what the same run needs without the plugin
 
 
+def _flags(trainer: str, ep: bool, lora: bool) -> tuple[str, ...]:
+    return ("--trainer", trainer, *(("--ep",) if ep else ()), *(("--lora",) if lora else ()))
+
+
+@pytest.fixture(scope="module")
+def planned(checkpoints):
+    """A grid row's two launches (the stock run, then the plugin at SHARE of its unplanned peak),
+    each launched once in this module: (stock output, plugin output, capacity)."""
+    done = {}
+
+    def launches(trainer: str, ep: bool, lora: bool, family: str) -> tuple[Path, Path, int]:
+        key = (trainer, ep, lora, family)
+        if key not in done:
+            name = f"launch-{family}-{trainer}-{'ep' if ep else 'ddp'}{'-lora' if lora else ''}"
+            stock = _launch(checkpoints, family, f"{name}-stock", "--no-plugin", *_flags(trainer, ep, lora))
+            theirs = json.loads((stock / "log_history.json").read_text())
+            capacity = int(SHARE * max(r["bagualu/unplanned_peak_device_bytes"] for r in theirs if "loss" in r))
+            done[key] = stock, _launch(checkpoints, family, name, "--capacity", str(capacity), *_flags(trainer, ep, lora)), capacity
+        return done[key]
+
+    return launches
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("trainer", "ep", "lora", "family"), [
     pytest.param(*row, marks=() if row in KEPT else pytest.mark.slow,
                  id=f"{row[0]}-{'ep' if row[1] else 'ddp'}-{'lora' if row[2] else 'full'}-{row[3]}")
     for row in GRID
 ])
-def test_two_processes_under_accelerate_launch(checkpoints, trainer, ep, lora, family):
+def test_two_processes_under_accelerate_launch(planned, trainer, ep, lora, family):
     """Every combination once over 2 gloo processes: the run without the plugin first, then the
     plugin at 93% of what that run needed (static bytes included), so plans must act. Losses and
     saved weights bitwise, the peak at or under the capacity. Expert parallelism with LoRA: the
     frozen experts take no gradient hook (it crashed at the Trainer's init)."""
-    flags = ("--trainer", trainer, *(("--ep",) if ep else ()), *(("--lora",) if lora else ()))
-    name = f"launch-{family}-{trainer}-{'ep' if ep else 'ddp'}{'-lora' if lora else ''}"
-    stock = _launch(checkpoints, family, f"{name}-stock", "--no-plugin", *flags)
-    theirs = json.loads((stock / "log_history.json").read_text())
-    unplanned = max(r["bagualu/unplanned_peak_device_bytes"] for r in theirs if "loss" in r)
-    capacity = int(SHARE * unplanned)
-    ours = _launch(checkpoints, family, name, "--capacity", str(capacity), *flags)
-    records = json.loads((ours / "log_history.json").read_text())
+    stock, ours, capacity = planned(trainer, ep, lora, family)
+    records, theirs = (json.loads((d / "log_history.json").read_text()) for d in (ours, stock))
     assert [r.get("loss") for r in records] == [r.get("loss") for r in theirs]
     mine, other = (load_file(d / "model" / "model.safetensors") for d in (ours, stock))
     assert mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
@@ -272,22 +289,23 @@ def test_two_processes_under_accelerate_launch(checkpoints, trainer, ep, lora, f
 
 @pytest.mark.multiprocess
 @pytest.mark.slow  # torch's rendezvous, the same torch in every CI run
-def test_two_nodes_train_as_one(checkpoints):
+def test_two_nodes_train_as_one(checkpoints, planned):
     """Two `torchrun` agents on this machine, as a cluster launches them (`--nnodes 2`, node ranks
     0 and 1, one process each, c10d rendezvous on 127.0.0.1): each process derives dp 2 and its
     expert-parallel rank from its global rank (both have local rank 0), and SFTTrainer with the
-    experts over the two nodes trains bitwise as on one node under `accelerate launch`."""
-    flags = ("--trainer", "sft", "--ep", "--capacity", "4200000")
-    one = _launch(checkpoints, "glm4_moe", "one-node", *flags)
+    experts over the two nodes trains bitwise as the same grid row on one node under `accelerate
+    launch` (its launch shared with the grid's test) at the same capacity."""
+    row = ("sft", True, False, "deepseek_v3")
+    _, one, capacity = planned(*row)
     out, port = checkpoints["corpus"].parent / "two-nodes", free_port()
     agents = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(node),
              "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"two-nodes-{port}",
              "--rdzv_conf", "timeout=60",
-             str(ROOT / "examples" / "sft_moe.py"), "--model", str(checkpoints["glm4_moe"]), "--data", str(checkpoints["corpus"]),
+             str(ROOT / "examples" / "sft_moe.py"), "--model", str(checkpoints[row[-1]]), "--data", str(checkpoints["corpus"]),
              "--output-dir", str(out), "--steps", str(STEPS), "--accumulation", str(M), "--batch-size", str(BATCH),
-             "--max-length", str(LENGTH), *flags],
+             "--max-length", str(LENGTH), "--capacity", str(capacity), *_flags(*row[:3])],
             env=launched_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         for node in (0, 1)
