@@ -1,8 +1,8 @@
 """The plugin's tax: what `bgl.apply` costs a job that never needs it. At an ample capacity
 (nothing to mitigate: every plan is empty) each model trains the same iterations twice over,
-alternating iteration by iteration between two copies of it (same weights, same batches): one
-with the plugin installed (the Provisioner's budgets, plans, gate monitor, saved-tensor hooks and
-Ledger), one plain. Each iteration (in a Trainer row, each optimizer step) is timed alone, the
+alternating iteration by iteration between two copies of it (same weights, same batches), the
+first of each pair swapping each time: one with the plugin installed (the Provisioner's budgets,
+plans, gate monitor, saved-tensor hooks and Ledger), one plain. Each iteration (in a Trainer row, each optimizer step) is timed alone, the
 garbage collector frozen after set-up and collecting between iterations
 (`collector.ManualCollector`), and the ratio of the medians says what the plugin costs; the
 planner's share is its decision time over the plugin run's time.
@@ -51,8 +51,14 @@ from bagualu_plugin.stage import Stage
 AMPLE = 100  # capacity: this many unmitigated micro-batches
 
 
+def _turns(i: int) -> tuple[str, str]:
+    """The copies' order in turn `i`: they swap who goes first each time, so that what the first
+    (or the second) of a pair pays, both pay alike."""
+    return ("plugin", "plain") if i % 2 == 0 else ("plain", "plugin")
+
+
 def _alternate(make, batches, recipe, iterations: int, barrier=lambda: None, slowest=lambda t: t) -> dict:
-    """`iterations` (after one warm-up each) of the plugin's copy and the plain one, alternating."""
+    """`iterations` (after one warm-up each) of the plugin's copy and the plain one, taking turns."""
     plain, ours = make(), make()
     ours.load_state_dict(plain.state_dict())
     prov = bgl.apply(ours, recipe)
@@ -61,7 +67,8 @@ def _alternate(make, batches, recipe, iterations: int, barrier=lambda: None, slo
     try:
         with ManualCollector() as collector:
             for it in range(iterations + 1):
-                for name, model in (("plugin", ours), ("plain", plain)):
+                for name in _turns(it):
+                    model = ours if name == "plugin" else plain
                     barrier()
                     start = time.perf_counter()
                     run_iteration(model, batches, schedule, prov if model is ours else None)
@@ -210,9 +217,9 @@ def _trainer(iterations: int, ep: bool = False) -> dict:
             "plugin": _make_trainer(ours, out, STEPS, [callback, clocks["plugin"]]),
             "plain": _make_trainer(plain, out, STEPS, [clocks["plain"]]),
         }
-        for _ in range(iterations):
-            for name, trainer in trainers.items():
-                trainer.train()
+        for i in range(iterations):
+            for name in _turns(i):
+                trainers[name].train()
                 times[name] += clocks[name].times[1 - STEPS:]
             # this train()'s provisioner: the timed steps' forwards are its last M each
             for key, value in _planner(list(callback.provisioner.events)[M - M * STEPS:]).items():
@@ -261,7 +268,7 @@ def _zero(stage: int, iterations: int) -> dict:
                 )
             deadline = time.monotonic() + 900
             for step in range(steps):
-                for name in names:
+                for name in _turns(step):
                     store.set(f"{name}/go/{step}", "")
                     keys = [f"{name}/time/{step}/{rank}" for rank in range(ZERO_PROCESSES)]
                     while not store.check(keys):
