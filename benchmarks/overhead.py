@@ -2,8 +2,8 @@
 (nothing to mitigate: every plan is empty) each model trains the same iterations twice over,
 alternating iteration by iteration between two copies of it (same weights, same batches), the
 first of each pair swapping each time: one with the plugin installed (the Provisioner's budgets,
-plans, gate monitor, saved-tensor hooks and Ledger), one plain. Each iteration (in a Trainer row, each optimizer step) is timed alone, the
-garbage collector frozen after set-up and collecting between iterations
+plans, gate monitor, saved-tensor hooks and Ledger), one plain. Each iteration (in a Trainer row,
+each optimizer step) is timed alone, the garbage collector frozen after set-up and collecting between iterations
 (`collector.ManualCollector`), and the ratio of the medians says what the plugin costs; the
 planner's share is its decision time over the plugin run's time.
 

@@ -253,11 +253,11 @@ def planned(checkpoints):
     def launches(trainer: str, ep: bool, lora: bool, family: str) -> tuple[Path, Path, int]:
         key = (trainer, ep, lora, family)
         if key not in done:
-            name = f"launch-{family}-{trainer}-{'ep' if ep else 'ddp'}{'-lora' if lora else ''}"
-            stock = _launch(checkpoints, family, f"{name}-stock", "--no-plugin", *_flags(trainer, ep, lora))
+            name, flags = f"launch-{family}-{trainer}-{'ep' if ep else 'ddp'}{'-lora' if lora else ''}", _flags(trainer, ep, lora)
+            stock = _launch(checkpoints, family, f"{name}-stock", "--no-plugin", *flags)
             theirs = json.loads((stock / "log_history.json").read_text())
             capacity = int(SHARE * max(r["bagualu/unplanned_peak_device_bytes"] for r in theirs if "loss" in r))
-            done[key] = stock, _launch(checkpoints, family, name, "--capacity", str(capacity), *_flags(trainer, ep, lora)), capacity
+            done[key] = stock, _launch(checkpoints, family, name, "--capacity", str(capacity), *flags), capacity
         return done[key]
 
     return launches
