@@ -173,12 +173,20 @@ def test_each_engine_leaves_a_rank_its_share():
         tiny_recipe(model, seq_len=16, micro_batch_size=1, pipeline={"pp": 1, "micro_batches": 1}, budget={"offload_params": True})
 
 
-def test_asking_for_fsdp_on_cpu_is_said_and_ddp_priced(tmp_path):
-    """accelerate's CPU state runs no FSDP or DeepSpeed (`fsdp_plugin`, `deepspeed_plugin` None):
-    the plugin says so and prices what runs."""
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, fsdp=True, fsdp_config={"fsdp_version": 2}, report_to=[])
+@pytest.mark.parametrize("asked", ["arguments", "launch"])
+def test_asking_for_fsdp_on_cpu_is_said_and_ddp_priced(tmp_path, monkeypatch, asked):
+    """accelerate's CPU state runs no FSDP or DeepSpeed (`fsdp_plugin`, `deepspeed_plugin` None),
+    whether the Trainer's arguments or `accelerate launch`'s config (the flag its launcher sets)
+    asked for it: the plugin says which asked and prices what runs."""
+    if asked == "arguments":
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, fsdp=True, fsdp_config={"fsdp_version": 2}, report_to=[])
+        said = "the training arguments' fsdp"
+    else:
+        monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+        said = "accelerate launch's ACCELERATE_USE_FSDP"
     state = Accelerator(cpu=True).state
-    with pytest.warns(RuntimeWarning, match=r"ask for fsdp, but the Trainer runs NO .*prices the memory of what runs"):
+    with pytest.warns(RuntimeWarning, match=rf"BagualuCallback: {said} asks for a sharding engine, but the Trainer runs NO .*what runs"):
         assert trainer_budget(args, state) == {}
     assert engine(state) is None and engine_budget(state) == {}  # what the Accelerate path prices: the same
     assert not torch.distributed.is_initialized()

@@ -154,16 +154,21 @@ def engine_budget(state: Any, model: Any = None) -> dict[str, bool | int]:
 
 def trainer_budget(args: Any, state: Any, model: Any = None) -> dict[str, bool | int]:
     """The `budget` fields of the sharding engine the Trainer really runs (`engine_budget`).
-    Training arguments that ask for FSDP or DeepSpeed while the Trainer runs neither (accelerate
-    enables them only on accelerator devices; on CPU it runs DistributedDataParallel) are named in
-    a warning: the plugin then prices what runs."""
+    An engine asked for that does not run is named in a warning, and the plugin prices what runs:
+    accelerate enables FSDP only on accelerator devices, so on CPU the Trainer runs
+    DistributedDataParallel whether its own `fsdp` arguments or `accelerate launch`'s config
+    (`ACCELERATE_USE_FSDP`, which its launcher sets) asked for FSDP."""
     if engine(state) is not None:
         return engine_budget(state, model)
-    asked = [name for name in ("fsdp", "deepspeed") if getattr(args, name, None)]
+    from accelerate.utils import parse_flag_from_env
+
+    asked = [f"the training arguments' {name}" for name in ("fsdp", "deepspeed") if getattr(args, name, None)]
+    asked += [f"accelerate launch's {flag}" for flag in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED") if parse_flag_from_env(flag)]
     if asked:
         runs = getattr(getattr(state, "distributed_type", None), "value", "no distributed engine")
+        verb = "ask" if len(asked) > 1 else "asks"
         warnings.warn(
-            f"BagualuCallback: the training arguments ask for {' and '.join(asked)}, but the Trainer runs {runs} "
+            f"BagualuCallback: {' and '.join(asked)} {verb} for a sharding engine, but the Trainer runs {runs} "
             "(accelerate shards only on accelerator devices): the plugin prices the memory of what runs, unsharded",
             RuntimeWarning, stacklevel=3,
         )
