@@ -20,6 +20,7 @@ from ..adapters import Adapter
 from ..costmodel.dims import DTYPE_BYTES
 
 _ZERO_STAGES = (0, 1, 2, 3)
+_LAUNCH_FLAGS = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")  # what `accelerate launch` sets from its config
 
 
 def fsdp_budget(plugin: Any) -> dict[str, bool]:
@@ -139,37 +140,33 @@ def engine(state: Any) -> str | None:
     return next((name for name in ("fsdp", "deepspeed") if getattr(state, f"{name}_plugin", None) is not None), None)
 
 
-def engine_budget(state: Any, model: Any = None) -> dict[str, bool | int]:
+def engine_budget(state: Any, model: Any = None, asked: list[str] | None = None) -> dict[str, bool | int]:
     """The `budget` fields of the sharding engine accelerate runs (`engine`) for `model` (its
     hidden size and parameter width; None: an "auto" bucket size is refused, the widths are the
-    budget's defaults); {} for none."""
+    budget's defaults); {} for none. An engine asked for that does not run is named in a warning
+    (`asked`: what asked for one besides `accelerate launch`'s config, whose flags are read here),
+    and what runs is priced: accelerate enables FSDP only on accelerator devices, so on CPU it
+    runs DistributedDataParallel (or, for an Accelerator not on `cpu=True`, each process alone)."""
     name = engine(state)
     if name == "fsdp":
         return fsdp_budget(state.fsdp_plugin)
     if name == "deepspeed":
         hidden, width = (None, None) if model is None else (Adapter(model).config.hidden_size, parameter_bytes(model))
         return zero_budget(state.deepspeed_plugin.deepspeed_config, hidden, width)
-    return {}
-
-
-def trainer_budget(args: Any, state: Any, model: Any = None) -> dict[str, bool | int]:
-    """The `budget` fields of the sharding engine the Trainer really runs (`engine_budget`).
-    An engine asked for that does not run is named in a warning, and the plugin prices what runs:
-    accelerate enables FSDP only on accelerator devices, so on CPU the Trainer runs
-    DistributedDataParallel whether its own `fsdp` arguments or `accelerate launch`'s config
-    (`ACCELERATE_USE_FSDP`, which its launcher sets) asked for FSDP."""
-    if engine(state) is not None:
-        return engine_budget(state, model)
     from accelerate.utils import parse_flag_from_env
 
-    asked = [f"the training arguments' {name}" for name in ("fsdp", "deepspeed") if getattr(args, name, None)]
-    asked += [f"accelerate launch's {flag}" for flag in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED") if parse_flag_from_env(flag)]
+    asked = [*(asked or []), *(f"accelerate launch's {flag}" for flag in _LAUNCH_FLAGS if parse_flag_from_env(flag))]
     if asked:
         runs = getattr(getattr(state, "distributed_type", None), "value", "no distributed engine")
         verb = "ask" if len(asked) > 1 else "asks"
         warnings.warn(
-            f"BagualuCallback: {' and '.join(asked)} {verb} for a sharding engine, but the Trainer runs {runs} "
-            "(accelerate shards only on accelerator devices): the plugin prices the memory of what runs, unsharded",
+            f"bagualu: {' and '.join(asked)} {verb} for a sharding engine, but accelerate runs {runs} (it shards only on "
+            "accelerator devices): the plugin prices the memory of what runs, unsharded",
             RuntimeWarning, stacklevel=3,
         )
     return {}
+
+
+def trainer_budget(args: Any, state: Any, model: Any = None) -> dict[str, bool | int]:
+    """`engine_budget` for the Trainer, whose own `fsdp` and `deepspeed` arguments ask for an engine too."""
+    return engine_budget(state, model, [f"the training arguments' {name}" for name in ("fsdp", "deepspeed") if getattr(args, name, None)])
