@@ -64,14 +64,15 @@ def _alternate(make, batches, recipe, iterations: int, barrier=lambda: None, slo
     prov = bgl.apply(ours, recipe)
     schedule = prov.stage.schedule
     times = {"plugin": [], "plain": []}
+    copies = {"plugin": (ours, prov), "plain": (plain, None)}
     try:
         with ManualCollector() as collector:
             for it in range(iterations + 1):
                 for name in _turns(it):
-                    model = ours if name == "plugin" else plain
+                    model, provisioner = copies[name]
                     barrier()
                     start = time.perf_counter()
-                    run_iteration(model, batches, schedule, prov if model is ours else None)
+                    run_iteration(model, batches, schedule, provisioner)
                     elapsed = slowest(time.perf_counter() - start)
                     model.zero_grad(set_to_none=True)
                     collector.step()
