@@ -20,7 +20,7 @@ from ..adapters import Adapter
 from ..costmodel.dims import DTYPE_BYTES
 
 _ZERO_STAGES = (0, 1, 2, 3)
-_LAUNCH_FLAGS = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")  # what `accelerate launch` sets from its config
+_ENGINES = ("fsdp", "deepspeed")  # accelerate's names: its `<name>_plugin`, `accelerate launch`'s ACCELERATE_USE_<NAME>
 
 
 def fsdp_budget(plugin: Any) -> dict[str, bool]:
@@ -137,7 +137,7 @@ def zero_buffer_bytes(config: dict[str, Any], hidden_size: int | None = None) ->
 def engine(state: Any) -> str | None:
     """The sharding engine accelerate runs (`state`: its `AcceleratorState`, None before one
     exists): "fsdp", "deepspeed", or None (DDP or one process)."""
-    return next((name for name in ("fsdp", "deepspeed") if getattr(state, f"{name}_plugin", None) is not None), None)
+    return next((name for name in _ENGINES if getattr(state, f"{name}_plugin", None) is not None), None)
 
 
 def engine_budget(state: Any, model: Any = None, asked: list[str] | None = None) -> dict[str, bool | int]:
@@ -155,7 +155,8 @@ def engine_budget(state: Any, model: Any = None, asked: list[str] | None = None)
         return zero_budget(state.deepspeed_plugin.deepspeed_config, hidden, width)
     from accelerate.utils import parse_flag_from_env
 
-    asked = [*(asked or []), *(f"accelerate launch's {flag}" for flag in _LAUNCH_FLAGS if parse_flag_from_env(flag))]
+    flags = (f"ACCELERATE_USE_{name.upper()}" for name in _ENGINES)  # what `accelerate launch` sets from its config
+    asked = [*(asked or []), *(f"accelerate launch's {flag}" for flag in flags if parse_flag_from_env(flag))]
     if asked:
         runs = getattr(getattr(state, "distributed_type", None), "value", "no distributed engine")
         verb = "ask" if len(asked) > 1 else "asks"
@@ -169,4 +170,4 @@ def engine_budget(state: Any, model: Any = None, asked: list[str] | None = None)
 
 def trainer_budget(args: Any, state: Any, model: Any = None) -> dict[str, bool | int]:
     """`engine_budget` for the Trainer, whose own `fsdp` and `deepspeed` arguments ask for an engine too."""
-    return engine_budget(state, model, [f"the training arguments' {name}" for name in ("fsdp", "deepspeed") if getattr(args, name, None)])
+    return engine_budget(state, model, [f"the training arguments' {name}" for name in _ENGINES if getattr(args, name, None)])
