@@ -13,7 +13,9 @@ process (hidden 512, 8 layers, 16 experts top-4, 4 micro-batches of 2 x 256 toke
 compute dominates as it does on real models: through the plugin's 1F1B driver (`bgl.apply`, pipeline
 rank 0 of 4), and under HF's Trainer with `BagualuCallback` against a plain Trainer (no pipeline,
 the zero-configuration path: the recipe derived, the micro-batches found on the model; a training
-step there includes the optimizer's), in one process and per engine that runs on CPU: DDP over 2
+step there includes the optimizer's), in one process (also fed as SFTTrainer feeds it: texts of
+log-normal lengths up to 256 tokens padded by TRL's default collator to each micro-batch's longest,
+a new shape almost every micro-batch) and per engine that runs on CPU: DDP over 2
 gloo processes, the routed experts sharded over them (expert parallelism inside DDP), and
 DeepSpeed ZeRO-2 and ZeRO-3 over 2 processes (its CPU accelerator; `accelerate launch` with
 DeepSpeed's plugin, one launch per copy, the two taking turns step by step). Under ZeRO-3 the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -159,18 +162,28 @@ def _step_clock(collector: ManualCollector, turns: tuple | None = None):
     return StepClock()
 
 
-def _make_trainer(model, out: str, steps: int, callbacks: list):
+def _make_trainer(model, out: str, steps: int, callbacks: list, churn: bool = False):
     """The HF Trainer of the Trainer rows: `steps` optimizer steps of M accumulated micro-batches
-    of BATCH x SEQ random tokens (the same on every copy), nothing logged or saved."""
+    of BATCH x SEQ random tokens (the same on every copy), nothing logged or saved. `churn`: texts
+    of log-normal lengths up to SEQ (median SEQ / 2) batched by TRL's default collator, which pads
+    each micro-batch to its longest: a new shape almost every micro-batch, as SFTTrainer makes them."""
     from transformers import PrinterCallback, Trainer, TrainingArguments
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     g = torch.Generator().manual_seed(0)
-    rows = [torch.randint(0, model.config.vocab_size, (SEQ,), generator=g) for _ in range(steps * BATCH * M)]
+    texts = steps * BATCH * M
+    if churn:
+        lengths = [min(SEQ, max(8, round(SEQ / 2 * math.exp(0.6 * float(z))))) for z in torch.randn(texts, generator=g)]
+        dataset = [{"input_ids": torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()} for n in lengths]
+        collator = DataCollatorForLanguageModeling(pad_token_id=0)  # it makes the labels, the padding masked
+    else:
+        rows = [torch.randint(0, model.config.vocab_size, (SEQ,), generator=g) for _ in range(texts)]
+        dataset, collator = [{"input_ids": ids, "labels": ids} for ids in rows], None
     arguments = TrainingArguments(
         output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=M, max_steps=steps, learning_rate=1e-4,
         report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
     )
-    trainer = Trainer(model=model, args=arguments, train_dataset=[{"input_ids": ids, "labels": ids} for ids in rows], callbacks=callbacks)
+    trainer = Trainer(model=model, args=arguments, train_dataset=dataset, data_collator=collator, callbacks=callbacks)
     trainer.remove_callback(PrinterCallback)  # each train()'s summary line would break the table
     return trainer
 
@@ -185,11 +198,11 @@ def _ample_recipe(model) -> dict:
 
 def _planner(events) -> dict:
     """The planner's time and the mitigated micro-batches over the timed steps' `events`."""
-    return {"planner_s": sum(e.planner_s for e in events), "forwards": len(events),
+    return {"planner_s": sum(e.planner_s for e in events), "forwards": len(events), "tokens": sum(e.tokens for e in events),
             "mitigated": sum(bool(e.plan) or bool(e.escalations) for e in events)}
 
 
-def _trainer(iterations: int, ep: bool = False) -> dict:
+def _trainer(iterations: int, ep: bool = False, churn: bool = False) -> dict:
     """The larger model under HF's Trainer as its users run it, with `BagualuCallback` (the plugin
     derives its recipe from the model and the training arguments, and finds each micro-batch on
     the model) and without. Two Trainers of equal copies take turns: each `train()` runs STEPS
@@ -211,12 +224,12 @@ def _trainer(iterations: int, ep: bool = False) -> dict:
         shard_experts_for_ddp(plain)  # the callback shards its own copy at the Trainer's init
     callback = BagualuCallback(recipe)
     times = {"plugin": [], "plain": []}
-    planner = {"planner_s": 0, "forwards": 0, "mitigated": 0}
+    planner = {"planner_s": 0, "forwards": 0, "tokens": 0, "mitigated": 0}
     with tempfile.TemporaryDirectory() as out, ManualCollector() as collector:
         clocks = {name: _step_clock(collector) for name in times}
         trainers = {
-            "plugin": _make_trainer(ours, out, STEPS, [callback, clocks["plugin"]]),
-            "plain": _make_trainer(plain, out, STEPS, [clocks["plain"]]),
+            "plugin": _make_trainer(ours, out, STEPS, [callback, clocks["plugin"]], churn),
+            "plain": _make_trainer(plain, out, STEPS, [clocks["plain"]], churn),
         }
         for i in range(iterations):
             for name in _turns(i):
@@ -225,9 +238,10 @@ def _trainer(iterations: int, ep: bool = False) -> dict:
             # this train()'s provisioner: the timed steps' forwards are its last M each
             for key, value in _planner(list(callback.provisioner.events)[M - M * STEPS:]).items():
                 planner[key] += value
+    steps = planner["forwards"] / M  # timed, each of M micro-batches: their padded tokens per step, on average
     return {"times": times, "planner_s_per_micro_batch": planner["planner_s"] / planner["forwards"],
             "mitigated_micro_batches": planner["mitigated"], "micro_batches": M,
-            "tokens": BATCH * SEQ * M * (dist.get_world_size() if dist.is_initialized() else 1)}
+            "tokens": planner["tokens"] / steps * (dist.get_world_size() if dist.is_initialized() else 1)}
 
 
 def _trainer_rank(rank: int, size: int, iterations: int, ep: bool) -> dict:
@@ -327,6 +341,7 @@ def main() -> None:
         f"demo GLM-4-MoE, {demo.parallel.ep} EP ranks": run_ranks(_demo_rank, demo.parallel.ep, args.iterations, timeout_s=900)[0],
         "Qwen3-MoE hidden 512 x 8 layers, 512 tokens/mb": _larger(args.iterations),
         "the same, HF Trainer + BagualuCallback": _trainer(args.iterations),
+        "the same, Trainer, TRL's collator: a new padded length each micro-batch": _trainer(args.iterations, churn=True),
         "the same, Trainer, DDP over 2 processes": run_ranks(_trainer_rank, 2, args.iterations, False, timeout_s=900)[0],
         "the same, Trainer, experts over 2 processes": run_ranks(_trainer_rank, 2, args.iterations, True, timeout_s=900)[0],
         **{f"the same, Trainer, ZeRO-{stage} over {ZERO_PROCESSES} processes": _zero(stage, args.iterations) for stage in (2, 3)},

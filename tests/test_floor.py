@@ -42,7 +42,7 @@ def test_bagualu_at_m0_keeps_no_more_than_full_recompute(preset, seq_len):
             band = decider.band(c, stage.tokens, seq_len)
             whole = cm.full_recompute(collective=True)
             for imbalance in (spikes.normal_max_imbalance, spikes.spike_max_imbalance):
-                gates, slack = plan_for_gates(band.plan, band.gates.__getitem__, stage.min_budget, band.planned, band.heaviest)
+                gates, slack = plan_for_gates(band.plan, stage.min_budget, band.planned, band.heaviest)
                 f = Forward(0, stage.min_budget, gates, gates.decision.plan, slack, 0.0, band.balanced)
                 for layer in cm.moe_layers:
                     decider.at_gate(f, layer, band.balanced * imbalance)

@@ -83,6 +83,18 @@ def test_algorithm_2_takes_the_largest_reduction_first():
     assert d.room_bytes == 0 and d.steps == 2
 
 
+def _gated(plan, gates):
+    """`plan_for_gates`'s planner from Algorithm 2 at a budget (`plan`) and a plan's gates (`gates`)."""
+
+    def served(budget):
+        try:
+            return gates(plan(budget)), True
+        except InfeasibleBudget as exc:
+            return gates(exc.best), False
+
+    return served
+
+
 def test_algorithm_2_rejects_conflicting_candidates_and_reports_infeasible_budgets():
     cm = _model()
     # Offloading a keeps 1200 B and needs its 800 B back in backward: 2000 B, as many as before.
@@ -97,7 +109,7 @@ def test_algorithm_2_rejects_conflicting_candidates_and_reports_infeasible_budge
     assert dict(best.plan) == {OpId(0, "a"): "offload"} and best.activation_bytes + best.room_bytes == 2000
     # the gates' planning runs that plan rather than stopping: lighter routing than planned may fit
     gates, slack = plan_for_gates(
-        lambda b: plan_micro_batch(cm, b, tokens=1, strategies=("offload",)), lambda d: GatePlan.of(d, {}, 0.0, 0.0), 1300, 0.0, 0.0
+        _gated(lambda b: plan_micro_batch(cm, b, tokens=1, strategies=("offload",)), lambda d: GatePlan.of(d, {}, 0.0, 0.0)), 1300, 0.0, 0.0
     )
     assert gates.decision == best and slack == -700 and gates.after == {} and gates.need == 0
     with pytest.raises(ValueError, match="strategies: unknown"):
@@ -111,7 +123,7 @@ def test_path_planner_serves_repeated_budgets_with_plans_that_fit():
     planner = PathPlanner(cm, budget_quantum=100, routed_quantum=1)
     first = planner.plan(1550, tokens=1)
     again = planner.plan(1580, tokens=1)  # same 100-byte bucket: the same plan on the same path
-    assert again is first and (planner.answers, planner.paths) == (2, 1)
+    assert again == first and again.plan is first.plan and (planner.answers, planner.paths) == (2, 1)
     assert first.activation_bytes <= 1500  # planned for the bucket's floor, so it fits both
     planner.plan(1000, tokens=1)  # further along the same path
     assert planner.paths == 1
@@ -147,14 +159,14 @@ def test_plans_leave_each_gate_what_it_needs_at_the_heaviest_routing():
     first = plan(budget)
     assert budget - first.activation_bytes - first.room_bytes < costs(first.plan)[layer].escalation_bytes(heaviest, planned)
     assert kept_at_spike(first.plan) > budget
-    gates, slack = plan_for_gates(plan, gates_of, budget, planned, heaviest)
+    gates, slack = plan_for_gates(_gated(plan, gates_of), budget, planned, heaviest)
     assert gates.decision.plan != first.plan and gates.after == {layer: 0.0}
     c = gates.costs[layer]
     assert slack >= gates.need == c.escalation_bytes(heaviest, planned) > 0
     decision = at_gate(heaviest, planned, c.per_pair, c.escalation_bytes(heaviest, planned), slack, 0.0, gates.after[layer])
     assert decision.action in ("fits", "escalate") and decision.slack >= 0
     assert kept_at_spike(gates.decision.plan) <= budget
-    unspiked, _ = plan_for_gates(plan, lambda d: gates_of(d, planned), budget, planned, planned)
+    unspiked, _ = plan_for_gates(_gated(plan, lambda d: gates_of(d, planned)), budget, planned, planned)
     assert unspiked.decision.plan == first.plan  # no spikes to leave room for
 
 

@@ -4,9 +4,10 @@ nothing; the planner rejects it rather than undo an earlier, larger reduction.""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .graph import OpId
+from .graph import BlockGraph
 from .model import CostModel
 from .plan import Plan
 
@@ -30,13 +31,17 @@ def conflicts(plan: Plan, cm: CostModel) -> list[Conflict]:
     """Every saved tensor whose savers the plan asks to keep in two precisions (case 1: FP8 at one
     saver, full precision at another) or two places (case 2: offloaded at one, on the device at
     another)."""
+    return [c for layer, block in cm.blocks.items() for c in block_conflicts(block, dict(plan.block(layer)), layer)]
+
+
+def block_conflicts(block: BlockGraph, plan: Mapping[str, str], layer: int = 0) -> list[Conflict]:
+    """`conflicts` within one block under its ops' strategies (op name -> strategy; absent = keep)."""
     found = []
-    for layer, block in cm.blocks.items():
-        for t in block.tensors:
-            asks = {s: plan.strategy(OpId(layer, s)) for s in t.savers}
-            forms = {_form(a, t.floating) for a in asks.values()} - {None}
-            if len(forms) > 1:
-                found.append(Conflict(1 if "fp8" in forms else 2, layer, t.name, asks))
+    for t in block.tensors:
+        asks = {s: plan.get(s, "keep") for s in t.savers}
+        forms = {_form(a, t.floating) for a in asks.values()} - {None}
+        if len(forms) > 1:
+            found.append(Conflict(1 if "fp8" in forms else 2, layer, t.name, asks))
     return found
 
 

@@ -184,6 +184,14 @@ class BlockGraph:
         units = self.units or (self.op_names, *((name,) for name in self.op_names))
         return tuple(sorted(units, key=len, reverse=True))
 
+    def recompute_unit(self, name: str) -> tuple[str, ...]:
+        """The smallest run of ops recomputed together with op `name` (() if none can be); an op
+        of a span is recomputed alone, through the span."""
+        if any(name in span for span in self.spans):
+            return (name,)
+        units = [u for u in self.recompute_units if name in u]
+        return min(units, key=len) if units else ()
+
     @property
     def collective(self) -> tuple[str, ...]:
         """The unit every rank of the expert-parallel group recomputes together (`collective_unit`)."""

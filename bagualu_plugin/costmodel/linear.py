@@ -73,6 +73,8 @@ class LinearForm:
     per_single_token: float = 0.0
 
     def at(self, load: Load) -> float:
+        if type(load) is not Load:  # a load of forms (`symbolic.FormLoad`) makes the form itself
+            return load.at(self)
         return (
             self.const
             + self.per_token * load.tokens

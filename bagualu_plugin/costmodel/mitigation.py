@@ -26,16 +26,19 @@ the first holder in program order that offloads or quantises decides the form fo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import wraps
 from types import MappingProxyType
 from typing import Literal, TypeVar
 
+import numpy as np
+
 from ..hardware import HardwareSpec
 from .graph import BlockGraph, OpSpec, TensorSpec
-from .linear import Load
+from .linear import LinearForm, Load
 from .roofline import cast_kernel, fp8_stored_bytes, offload_copy
+from .symbolic import FormLoad, Sym, total
 
 Strategy = Literal["keep", "recompute", "offload", "fp8"]
 STRATEGIES: tuple[str, ...] = Strategy.__args__
@@ -46,22 +49,28 @@ _R = TypeVar("_R")
 _MEMO_ENTRIES = 4096  # per function; emptied when full
 
 
-def _memoised(fn: Callable[..., _R]) -> Callable[..., _R]:
-    """`fn(block, plan, load, ...)` remembered per block object: a pure function of its arguments,
-    asked the same questions every micro-batch (the calibration after each forward, the gates'
-    expected bytes, the planner). The entry holds its block, so no other block can take its id."""
+def memoised(fn: Callable[..., _R]) -> Callable[..., _R]:
+    """`fn(block, ...)` remembered per block object and arguments (a plan by its items): a pure
+    function of its arguments, asked the same questions every micro-batch (the calibration after
+    each forward, the gates' expected bytes, the planner). The entry holds its block, so no other
+    block can take its id. On a load of forms (`FormLoad`, one planner path's), the entry is kept
+    on that load and goes with it: a shape's paths come and go, the memo's size stays."""
     memo: dict[tuple, tuple[BlockGraph, _R]] = {}
 
     @wraps(fn)
-    def remembered(block: BlockGraph, plan: Mapping[str, str], load: Load, *rest):
-        key = (id(block), frozenset(plan.items()), load, *rest)
-        hit = memo.get(key)
+    def remembered(block: BlockGraph, *rest):
+        forms = next((a for a in rest if isinstance(a, FormLoad)), None)
+        store = memo if forms is None else forms.memo
+        key = (id(block), *(frozenset(a.items()) if isinstance(a, dict) else a for a in rest))  # a plan is a dict
+        if forms is not None:
+            key = (remembered, *key)
+        hit = store.get(key)
         if hit is not None and hit[0] is block:
             return hit[1]
-        result = fn(block, plan, load, *rest)
-        if len(memo) >= _MEMO_ENTRIES:
-            memo.clear()
-        memo[key] = (block, result)
+        result = fn(block, *rest)
+        if len(store) >= _MEMO_ENTRIES:
+            store.clear()
+        store[key] = (block, result)
         return result
 
     return remembered
@@ -98,6 +107,13 @@ class Footprint:
     offload_peaks: tuple[float, ...] = ()
     transient_bytes: float = 0.0
 
+    def repeated(self, n: int) -> Footprint:
+        """The footprint of `n` blocks alike, one after another."""
+        return Footprint(
+            self.device_bytes * n, self.host_bytes * n, self.forward_extra_s * n, self.backward_extra_s * n,
+            _two_largest(self.offload_peaks * min(n, 2)), self.transient_bytes,
+        )
+
     def __add__(self, other: Footprint) -> Footprint:
         return Footprint(
             self.device_bytes + other.device_bytes,
@@ -125,7 +141,9 @@ class Footprint:
 
 
 def _two_largest(values: Sequence[float]) -> tuple[float, ...]:
-    return tuple(sorted((v for v in values if v > 0), reverse=True)[:2])
+    """The two largest positive values; a form (`costmodel.symbolic`) counts as positive: one
+    that is 0 at some shapes (the bytes past a threshold) adds nothing there."""
+    return tuple(sorted((v for v in values if isinstance(v, Sym) or v > 0), reverse=True)[:2])
 
 
 @dataclass(frozen=True)
@@ -179,15 +197,10 @@ def holding_regions(block: BlockGraph, plan: Mapping[str, str], chunked: bool = 
     return [r for r in recompute_regions(block, plan) if any(s & set(r.ops) for s in saves)]
 
 
-def stored_form(
-    tensor: TensorSpec,
-    plan: Mapping[str, str],
-    region_of: Mapping[str, frozenset[str]],
-    size: float,
-    options: MitigationOptions,
-) -> str | None:
+def stored_form(tensor: TensorSpec, plan: Mapping[str, str], region_of: Mapping[str, frozenset[str]], large: bool) -> str | None:
     """How the runtime keeps one saved storage: "device" (full precision), "fp8", "offload", or
-    None when every saver recomputes it."""
+    None when every saver recomputes it. `large`: it has at least `offload_min_bytes` (a smaller
+    one an offloading saver keeps)."""
     if tensor.shared:
         return "device"
     device, other = False, None
@@ -195,7 +208,7 @@ def stored_form(
         strategy = plan.get(saver, "keep")
         if strategy == "recompute":
             device |= tensor.producer not in region_of[saver]  # a region input is held as it is
-        elif strategy == "offload" and size >= options.offload_min_bytes:
+        elif strategy == "offload" and large:
             other = other or "offload"
         elif strategy == "fp8" and tensor.floating:
             other = other or "fp8"
@@ -236,7 +249,98 @@ def _regions(block: BlockGraph, plan: Mapping[str, str], chunked: bool, tensors:
     return region_of, held, replayed
 
 
-@_memoised
+@dataclass(frozen=True)
+class _Layout:
+    """What a plan does to one block's saved tensors whatever the load (`footprint`'s first half):
+    the tensors the block counts (not the layer arguments, which the model counts), each one's
+    form at `offload_min_bytes` or more and below it, with the op that brings it back where it is
+    offloaded or cast (the first such saver), and the ops its regions replay."""
+
+    tensors: tuple[TensorSpec, ...]
+    forms: tuple[tuple[str | None, str | None], ...]  # (at least offload_min_bytes, below)
+    makers: tuple[dict[str, str], ...]  # form -> its maker
+    replayed: tuple[OpSpec, ...]
+    chunked: bool
+
+
+@memoised
+def _layout(block: BlockGraph, plan: Mapping[str, str], options: MitigationOptions) -> _Layout:
+    _check_plan(block, plan)
+    chunked = _chunked(block, options)
+    every = block.path_tensors(chunked)
+    region_of, held, replayed = _regions(block, plan, chunked, every)
+    tensors = tuple(t for t in every if not t.held_by)  # whether a region holds a layer argument is decided in other blocks
+    forms = tuple(
+        ("device", "device") if t.name in held else (stored_form(t, plan, region_of, True), stored_form(t, plan, region_of, False))
+        for t in tensors
+    )
+    makers = tuple(
+        {form: next(s for s in t.savers if plan.get(s) == form) for form in set(pair) if form in ("fp8", "offload")}
+        for t, pair in zip(tensors, forms)
+    )
+    return _Layout(tensors, forms, makers, tuple(replayed), chunked)
+
+
+@dataclass(frozen=True)
+class _AtLeast:
+    """x where it is at least `bound`, else 0 (elementwise): the bytes of a tensor an offloading
+    saver moves to the host, which stays on the device below `offload_min_bytes`."""
+
+    bound: float
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return np.where(x >= self.bound, x, 0.0)
+
+
+class _Prices:
+    """One block's per-tensor quantities at one load, made as first asked (`footprint`'s second
+    half sums them): sizes, the bytes an offload or cast takes (all of a tensor, or what is at
+    least `offload_min_bytes` where an offloading saver would keep it below), their FP8 copies and
+    the casts' and copies' times. Numbers, or forms of the shape whose functions of one form (the
+    threshold, FP8's blocks, a roofline's time) are variables of the shape: no branch recorded."""
+
+    def __init__(self, block: BlockGraph, load: Load, hw: HardwareSpec, options: MitigationOptions):
+        self.load, self.options = load, options
+        self.copy, self.cast = offload_copy(hw), cast_kernel(hw)
+        self._made: dict[tuple, object] = {}
+        self.transient = block.transient.at(load)
+
+    def _get(self, key: tuple, make: Callable[[], object]) -> object:
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+    def size(self, t: TensorSpec) -> object:
+        return self._get(("size", t.name), lambda: t.bytes(self.load))
+
+    def large(self, t: TensorSpec) -> object:
+        """Its bytes where they reach `offload_min_bytes`, else 0."""
+        def make():
+            size, bound = self.size(t), self.options.offload_min_bytes
+            return size.apply(_AtLeast(bound)) if isinstance(size, Sym) else (size if size >= bound else 0.0)
+
+        return self._get(("large", t.name), make)
+
+    def stored(self, t: TensorSpec, whole: bool) -> object:
+        """The FP8 copy of its bytes (`whole`), or of `large`'s."""
+        moved = self.size(t) if whole else self.large(t)
+        return self._get(("stored", t.name, whole), lambda: fp8_stored_bytes(moved / t.dtype_bytes, self.options.fp8_block_size))
+
+    def cast_s(self, t: TensorSpec, whole: bool) -> object:
+        moved = self.size(t) if whole else self.large(t)
+        return self._get(("cast", t.name, whole), lambda: self.cast.time(moved + self.stored(t, whole)))
+
+    def copy_s(self, t: TensorSpec, whole: bool) -> object:
+        moved = self.size(t) if whole else self.large(t)
+        return self._get(("copy", t.name, whole), lambda: self.copy.time(moved))
+
+
+@memoised
+def _prices(block: BlockGraph, load: Load, hw: HardwareSpec, options: MitigationOptions) -> _Prices:
+    return _Prices(block, load, hw, options)
+
+
+@memoised
 def footprint(
     block: BlockGraph,
     plan: Mapping[str, str],
@@ -245,41 +349,33 @@ def footprint(
     options: MitigationOptions = MitigationOptions(),
 ) -> Footprint:
     """Device and host bytes of `block` under `plan` (op name -> strategy; absent = keep)."""
-    _check_plan(block, plan)
-    chunked = _chunked(block, options)
-    tensors = block.path_tensors(chunked)
-    region_of, held, replayed = _regions(block, plan, chunked, tensors)
-    replay = sum(op.forward_s.at(load) for op in replayed)
-
-    copy, cast = offload_copy(hw), cast_kernel(hw)
-    device = host = fwd = bwd = 0.0
+    layout, prices = _layout(block, plan, options), _prices(block, load, hw, options)
+    kept, host, extra = [], [], []
     # bytes each op brings back to full precision in backward: its host copies (the first
     # offloading saver makes the copy) and its fp8 copies (the first quantising saver), each
     # restored beside what the device keeps while the op's backward uses it
-    restored: dict[str, float] = {}
-    if chunked:
-        bwd += block.op("lm_head").forward_s.at(load)
-    for t in tensors:
-        if t.held_by:  # counted by the model: whether a region holds it is decided in other blocks
-            continue
-        size = t.bytes(load)
-        form = "device" if t.name in held else stored_form(t, plan, region_of, size, options)
-        if form == "device":
-            device += size
-        elif form == "fp8":
-            stored = fp8_stored_bytes(t.elements.at(load), options.fp8_block_size)
-            maker = next(s for s in t.savers if plan.get(s) == "fp8")
-            restored[maker] = restored.get(maker, 0.0) + size
-            device += stored
-            fwd += cast.time(size + stored)
-            bwd += cast.time(size + stored)
-        elif form == "offload":
-            maker = next(s for s in t.savers if plan.get(s) == "offload")
-            restored[maker] = restored.get(maker, 0.0) + size
-            host += size
-            fwd += copy.time(size)
-            bwd += copy.time(size)
-    return Footprint(device, host, fwd, bwd + replay, _two_largest(list(restored.values())), block.transient.at(load))
+    restored: dict[str, list] = {}
+    for t, (large, small), makers in zip(layout.tensors, layout.forms, layout.makers):
+        whole = large == small  # else an offloading saver keeps it below offload_min_bytes: it is split by its size
+        moved = prices.size(t) if whole else prices.large(t)
+        if not whole:
+            kept.append(prices.size(t) - moved)
+        if large == "device":
+            kept.append(moved)
+        elif large == "fp8":
+            kept.append(prices.stored(t, whole))
+            extra.append(prices.cast_s(t, whole))
+            restored.setdefault(makers[large], []).append(moved)
+        elif large == "offload":
+            host.append(moved)
+            extra.append(prices.copy_s(t, whole))
+            restored.setdefault(makers[large], []).append(moved)
+    replay = [op.forward_s.at(load) for op in layout.replayed]
+    if layout.chunked:
+        replay.append(block.op("lm_head").forward_s.at(load))
+    moving = total(extra)
+    peaks = _two_largest([total(sizes) for sizes in restored.values()])
+    return Footprint(total(kept), total(host), moving, total([moving, *replay]), peaks, prices.transient)
 
 
 def device_bytes_by_op(
@@ -294,36 +390,78 @@ def device_bytes_by_op(
     return MappingProxyType(_device_bytes_by_op(block, plan, load, options))
 
 
-@_memoised
+@memoised
 def _device_bytes_by_op(block: BlockGraph, plan: Mapping[str, str], load: Load, options: MitigationOptions) -> dict[str, float]:
+    charges, out = _charges(block, plan, options), {}
+    for t, (large, small) in zip(charges.tensors, charges.charges):
+        size = t.bytes(load)
+        charge = large if size >= options.offload_min_bytes else small
+        if charge is not None:
+            op, form = charge
+            if form == "fp8":
+                size = fp8_stored_bytes(t.elements.at(load), options.fp8_block_size)
+            out[op] = out.get(op, 0.0) + size
+    return out
+
+
+@memoised
+def charged_form(block: BlockGraph, plan: Mapping[str, str], ops: Collection[str], options: MitigationOptions) -> LinearForm | None:
+    """The device bytes `device_bytes_by_op` charges to `ops` under `plan`, as one form of the
+    load, where they are linear in it: no tensor of the block is offloaded or cast to FP8 (whose
+    thresholds and blocks are not). None where they are not. What the Provisioner weighs at each
+    gate, one product for any shape."""
+    forms = _charges(block, plan, options).forms
+    if forms is None:
+        return None
+    return sum((forms[op] for op in ops if op in forms), LinearForm())
+
+
+@dataclass(frozen=True)
+class _Charges:
+    """Where `device_bytes_by_op` charges each saved tensor under one plan, whatever the load
+    (its plan-only half): the tensors the block counts, each one's (op, form) at
+    `offload_min_bytes` or more and below it (None: not on the device), and the bytes per op
+    as forms where that makes them linear in the load."""
+
+    tensors: tuple[TensorSpec, ...]
+    charges: tuple[tuple[tuple[str, str] | None, tuple[str, str] | None], ...]
+    forms: Mapping[str, LinearForm] | None
+
+
+@memoised
+def _charges(block: BlockGraph, plan: Mapping[str, str], options: MitigationOptions) -> _Charges:
     _check_plan(block, plan)
     chunked = _chunked(block, options)
-    tensors = block.path_tensors(chunked)
-    region_of, held, _ = _regions(block, plan, chunked, tensors)
-    order, out = block.op_names, {}
-    for t in tensors:
-        if t.held_by:
-            continue
-        size = t.bytes(load)
-        form = "device" if t.name in held else stored_form(t, plan, region_of, size, options)
-        if form == "device":
-            keepers = [held[t.name]] if t.name in held else []
-            for saver in () if t.shared else t.savers:
-                strategy = plan.get(saver, "keep")
-                if strategy == "recompute":
-                    if t.producer not in region_of[saver]:
-                        keepers.append(min(region_of[saver], key=order.index))
-                elif strategy not in ("offload", "fp8") or (strategy == "offload" and size < options.offload_min_bytes) or (
-                    strategy == "fp8" and not t.floating
-                ):
-                    keepers.append(saver)
-            op = min(keepers, key=order.index) if keepers else t.savers[0]
-        elif form == "fp8":
-            op, size = next(s for s in t.savers if plan.get(s) == "fp8"), fp8_stored_bytes(t.elements.at(load), options.fp8_block_size)
-        else:
-            continue
-        out[op] = out.get(op, 0.0) + size
-    return out
+    every = block.path_tensors(chunked)
+    region_of, held, _ = _regions(block, plan, chunked, every)
+    order = block.op_names
+
+    def charge(t: TensorSpec, large: bool) -> tuple[str, str] | None:
+        form = "device" if t.name in held else stored_form(t, plan, region_of, large)
+        if form == "fp8":
+            return next(s for s in t.savers if plan.get(s) == "fp8"), form
+        if form != "device":
+            return None
+        keepers = [held[t.name]] if t.name in held else []
+        for saver in () if t.shared else t.savers:
+            strategy = plan.get(saver, "keep")
+            if strategy == "recompute":
+                if t.producer not in region_of[saver]:
+                    keepers.append(min(region_of[saver], key=order.index))
+            elif strategy not in ("offload", "fp8") or (strategy == "offload" and not large) or (strategy == "fp8" and not t.floating):
+                keepers.append(saver)
+        return (min(keepers, key=order.index) if keepers else t.savers[0]), form
+
+    tensors = tuple(t for t in every if not t.held_by)
+    charges = tuple((charge(t, True), charge(t, False)) for t in tensors)
+    forms: dict[str, LinearForm] | None = {}
+    for t, (large, small) in zip(tensors, charges):
+        if large != small or (large is not None and large[1] == "fp8"):
+            forms = None
+            break
+        if large is not None:
+            forms[large[0]] = forms.get(large[0], LinearForm()) + t.elements * t.dtype_bytes
+    return _Charges(tensors, charges, forms)
 
 
 def _chunked(block: BlockGraph, options: MitigationOptions) -> bool:

@@ -20,8 +20,9 @@ from . import analytic
 from .dims import ModelDims, Parallel
 from .graph import BlockGraph, OpId, OpSpec, TensorSpec
 from .linear import LinearForm, Load
-from .mitigation import MITIGATIONS, Footprint, MitigationOptions, device_bytes_by_op, footprint, holding_regions
+from .mitigation import MITIGATIONS, Footprint, MitigationOptions, device_bytes_by_op, footprint, holding_regions, memoised
 from .pipeline import MicroBatchCost, stage_layers
+from .plan import Plan
 
 FORMAT = "bagualu-costmodel/1"
 Routed = float | Sequence[float] | None
@@ -54,6 +55,7 @@ class MitigationCost:
         return self.bytes_saved / added if added > 0 else float("inf")
 
 
+@memoised
 def holds_arguments(block: BlockGraph, plan: Mapping[str, str]) -> bool:
     """Whether the block's recompute regions take the layer's arguments (attention, whole or in
     part, or the whole layer runs under a checkpoint that holds them)."""
@@ -71,7 +73,10 @@ class CostModel:
     ):
         if not blocks:
             raise ValueError("a CostModel needs at least one block")
-        self.blocks = dict(sorted(blocks.items()))
+        # equal blocks (the decoder layers of one kind) are one object: what is computed per block
+        # (its footprint under a plan, `mitigation.footprint`) is computed once for all of them
+        alike: dict[BlockGraph, BlockGraph] = {}
+        self.blocks = {i: alike.setdefault(b, b) for i, b in sorted(blocks.items())}
         self.hardware = hardware
         self.pairs_per_token = pairs_per_token  # local routed pairs per token under balanced routing
         self.name = name
@@ -95,12 +100,12 @@ class CostModel:
         return cls(analytic.blocks(dims, parallel, hw), hw, dims.top_k / parallel.tp, name=name or dims.family)
 
     # queries ---------------------------------------------------------------------------------
-    @property
+    @cached_property
     def layers(self) -> list[int]:
         """Decoder layers in this model (or stage)."""
         return [i for i, b in self.blocks.items() if b.kind in ("moe", "dense")]
 
-    @property
+    @cached_property
     def moe_layers(self) -> list[int]:
         return [i for i, b in self.blocks.items() if b.kind == "moe"]
 
@@ -118,18 +123,17 @@ class CostModel:
             if t.elements.per_sequence_terms
         ]
 
+    def layer_load(self, tokens: int, routed: float | None = None, seq_len: int | None = None) -> Load:
+        """The load of an MoE layer with `routed` local pairs (`loads`' for one)."""
+        self._check_seq_len(tokens, seq_len)
+        return Load.of(tokens, routed, seq_len, self.pairs_per_token)
+
     def loads(self, tokens: int, routed: Routed = None, seq_len: int | None = None) -> dict[int, Load]:
         """The load of each block. `routed`: local routed pairs of every MoE layer (a number for
         all, or one per MoE layer in order); None means balanced routing, tokens * pairs_per_token.
         `seq_len`: tokens per sequence; None reads the micro-batch as one sequence, which only a
         model without per-sequence tensors allows."""
-        if seq_len is None and self.per_sequence_tensors:
-            shown = ", ".join(self.per_sequence_tensors[:3]) + (", ..." if len(self.per_sequence_tensors) > 3 else "")
-            raise ValueError(
-                f"seq_len is required: {self.name or 'this model'} keeps tensors that grow with the sequences of a "
-                f"micro-batch ({shown}), so {tokens} tokens as one sequence is not {tokens} tokens as several; "
-                "pass the tokens per sequence"
-            )
+        self._check_seq_len(tokens, seq_len)
         moe = self.moe_layers
         if routed is None or isinstance(routed, (int, float)):
             per_layer = dict.fromkeys(moe, routed)
@@ -138,18 +142,29 @@ class CostModel:
             if len(routed) != len(moe):
                 raise ValueError(f"routed has {len(routed)} entries, expected one per MoE layer ({len(moe)}: {moe})")
             per_layer = dict(zip(moe, routed))
-        return {
-            i: Load.of(tokens, per_layer.get(i, 0), seq_len, self.pairs_per_token)
-            for i in self.blocks
-        }
+        alike: dict[object, Load] = {}  # one load per routing: alike blocks get one object
+        for pairs in (*per_layer.values(), 0):
+            if pairs not in alike:
+                alike[pairs] = Load.of(tokens, pairs, seq_len, self.pairs_per_token)
+        return {i: alike[per_layer.get(i, 0)] for i in self.blocks}
+
+    def _check_seq_len(self, tokens: int, seq_len: int | None) -> None:
+        if seq_len is None and self.per_sequence_tensors:
+            shown = ", ".join(self.per_sequence_tensors[:3]) + (", ..." if len(self.per_sequence_tensors) > 3 else "")
+            raise ValueError(
+                f"seq_len is required: {self.name or 'this model'} keeps tensors that grow with the sequences of a "
+                f"micro-batch ({shown}), so {tokens} tokens as one sequence is not {tokens} tokens as several; "
+                "pass the tokens per sequence"
+            )
 
     def _split(self, plan: Mapping[OpId, str] | None) -> dict[int, dict[str, str]]:
-        per_block: dict[int, dict[str, str]] = {i: {} for i in self.blocks}
-        for op, strategy in (plan or {}).items():
-            if op.layer not in per_block:
-                raise KeyError(f"plan names {op}, but this model has blocks {list(self.blocks)}")
-            per_block[op.layer][op.name] = strategy
-        return per_block
+        """{block: {op name: strategy}} of `plan`, every block present (grouped by the plan itself
+        where it is a `Plan`, once)."""
+        blocks = (plan if isinstance(plan, Plan) else Plan(plan)).blocks()
+        unknown = set(blocks) - set(self.blocks)
+        if unknown:
+            raise KeyError(f"plan names layers {sorted(unknown)}, but this model has blocks {list(self.blocks)}")
+        return {i: dict(blocks.get(i, ())) for i in self.blocks}
 
     def footprint(
         self,
@@ -159,11 +174,22 @@ class CostModel:
         plan: Mapping[OpId, str] | None = None,
         options: MitigationOptions = MitigationOptions(),
     ) -> Footprint:
-        loads, plans = self.loads(tokens, routed, seq_len), self._split(plan)
-        total = Footprint()
+        return self.footprint_at(self.loads(tokens, routed, seq_len), plan, options)
+
+    def footprint_at(
+        self, loads: Mapping[int, Load], plan: Mapping[OpId, str] | None = None, options: MitigationOptions = MitigationOptions()
+    ) -> Footprint:
+        """`footprint` at each block's load (`loads`: numbers, or forms of the shape: `costmodel.symbolic`)."""
+        plans = self._split(plan)
+        alike: dict[tuple, list[int]] = {}  # the blocks of one graph, load and plan: priced once
         for i, block in self.blocks.items():
-            total += footprint(block, plans[i], loads[i], self.hardware, options)
-        holding = {i for i, block in self.blocks.items() if holds_arguments(block, plans[i])}
+            alike.setdefault((id(block), frozenset(plans[i].items()), loads[i]), []).append(i)
+        total, holding = Footprint(), set()
+        for layers in alike.values():
+            block, ops = self.blocks[layers[0]], plans[layers[0]]
+            total += footprint(block, ops, loads[layers[0]], self.hardware, options).repeated(len(layers))
+            if holds_arguments(block, ops):
+                holding.update(layers)
         return total + Footprint(device_bytes=self.argument_bytes(loads, holding))
 
     def holds_arguments(self, plan: Mapping[OpId, str] | None) -> bool:
@@ -211,9 +237,12 @@ class CostModel:
     def argument_bytes(self, loads: Mapping[int, Load], holding: set[int]) -> float:
         """Bytes of the layer arguments (position ids, masks) that the recompute regions of the
         layers in `holding` keep alive."""
-        return sum(
-            t.bytes(loads[i]) for i, block in self.blocks.items() for t in block.tensors if set(t.held_by) & holding
-        )
+        return sum((t.bytes(loads[i]) for i, t in self._arguments if set(t.held_by) & holding), 0.0)
+
+    @cached_property
+    def _arguments(self) -> list[tuple[int, TensorSpec]]:
+        """The layer arguments nothing saves, which recompute regions may hold (`TensorSpec.held_by`), by block."""
+        return [(i, t) for i, block in self.blocks.items() for t in block.tensors if t.held_by]
 
     def activation_bytes(
         self,
@@ -320,11 +349,7 @@ class CostModel:
     def recompute_unit(self, op: OpId) -> list[OpId]:
         """The smallest run of ops that can be recomputed together with `op` (None of it if none);
         an op of a span is recomputed alone."""
-        block = self.blocks[op.layer]
-        if any(op.name in span for span in block.spans):
-            return [op]
-        units = [u for u in block.recompute_units if op.name in u]
-        return [OpId(op.layer, name) for name in min(units, key=len)] if units else []
+        return [OpId(op.layer, name) for name in self.blocks[op.layer].recompute_unit(op.name)]
 
     def full_recompute(self, collective: bool = False) -> dict[OpId, str]:
         """Every op that can be recomputed, recomputed: a decoder layer then keeps only its input

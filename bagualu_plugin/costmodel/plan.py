@@ -16,7 +16,7 @@ class Plan(Mapping[OpId, str]):
     written as "layer.op" strings ("3.expert_fc1")."""
 
     def __init__(self, strategies: Mapping[OpId | str, str] | None = None):
-        self._map: dict[OpId, str] = {}
+        self._map: dict[OpId, str] | None = {}
         self._key: tuple[tuple[int, Block], ...] | None = None
         self._blocks: dict[int, Block] | None = None
         self._hash: int | None = None
@@ -32,25 +32,38 @@ class Plan(Mapping[OpId, str]):
     def uniform(cls, ops: Iterable[OpId], strategy: str) -> Plan:
         return cls(dict.fromkeys(ops, strategy))
 
+    def _mapping(self) -> dict[OpId, str]:
+        if self._map is None:  # made from blocks (`with_block`): the flat map only when asked for
+            self._map = {OpId(layer, name): s for layer, block in self._blocks.items() for name, s in block}
+        return self._map
+
     def __getitem__(self, op: OpId) -> str:
-        return self._map[op]
+        return self._mapping()[op]
 
     def __iter__(self) -> Iterator[OpId]:
-        return iter(self._map)
+        return iter(self._mapping())
 
     def __len__(self) -> int:
-        return len(self._map)
+        return len(self._mapping())
 
     def with_block(self, layer: int, strategies: Mapping[str, str]) -> Plan:
         """This plan with `layer`'s ops in `strategies` ({op name: strategy}) set so: a gate's
-        escalation. It starts grouped per layer as this plan is, so making it costs that layer's
-        ops, not the whole plan's, and no cache of whole plans is needed to make it cheap (the
+        escalation. It is made from this plan's blocks, replacing one, so making it costs the
+        number of layers, not of ops, and no cache of whole plans is needed to make it cheap (the
         escalated layers' combinations keep coming new over a long run)."""
-        plan = Plan({OpId(layer, name): strategy for name, strategy in strategies.items()})
-        plan._map = {**self._map, **plan._map}
+        bad = {s for s in strategies.values() if s not in STRATEGIES}
+        if bad:
+            raise ValueError(f"plan: strategies {sorted(bad)} at layer {layer}; expected one of {', '.join(STRATEGIES)}")
         blocks = self.blocks()
-        blocks = {**blocks, layer: tuple(sorted({**dict(blocks.get(layer, ())), **strategies}.items()))}
-        plan._blocks = dict(sorted(blocks.items()))
+        block = tuple(sorted({**dict(blocks.get(layer, ())), **strategies}.items()))
+        return Plan.of_blocks({**blocks, layer: block} if layer in blocks else dict(sorted({**blocks, layer: block}.items())))
+
+    @classmethod
+    def of_blocks(cls, blocks: dict[int, Block]) -> Plan:
+        """The plan whose `blocks()` these are (sorted by layer, each block sorted, strategies
+        valid: a planner's own), made without going through every op."""
+        plan = cls()
+        plan._map, plan._blocks = None, blocks
         return plan
 
     def blocks(self) -> dict[int, Block]:
@@ -95,11 +108,11 @@ class Plan(Mapping[OpId, str]):
         """Whether an op is offloaded or kept in FP8: a plan that only keeps and recomputes needs
         its saves counted, not stored in another form."""
         if self._stores is None:
-            self._stores = any(s in ("offload", "fp8") for s in self._map.values())
+            self._stores = any(s in ("offload", "fp8") for block in self.blocks().values() for _, s in block)
         return self._stores
 
     def strategy(self, op: OpId) -> str:
-        return self._map.get(op, "keep")
+        return self._mapping().get(op, "keep")
 
     def __repr__(self) -> str:
-        return f"Plan({{{', '.join(f'{op}: {s!r}' for op, s in sorted(self._map.items()))}}})"
+        return f"Plan({{{', '.join(f'{op}: {s!r}' for op, s in sorted(self._mapping().items()))}}})"

@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..hardware import HardwareSpec
+from .symbolic import Sym
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,13 @@ class Roofline:
         return self.peak * self.launch_s
 
     def time(self, size: float) -> float:
+        if isinstance(size, Sym):  # a form of the shape: its time is a variable of the shape too
+            return size.apply(self.times)
         return max(self.launch_s, size / self.peak) if size > 0 else 0.0
+
+    def times(self, sizes: np.ndarray) -> np.ndarray:
+        """`time` of many sizes at once."""
+        return np.where(sizes > 0, np.maximum(self.launch_s, sizes / self.peak), 0.0)
 
     def bandwidth(self, size: float) -> float:
         return size / self.time(size) if size > 0 else 0.0

@@ -8,9 +8,11 @@ through this one class.
 
 A rank may plan several cost models, one per `key`: the model chunks of interleaved 1F1B (§VI-A)
 in the simulator, the kinds of forward a trainer runs (`runtime.boundaries.ForwardKind`) in the
-Provisioner. Per key and micro-batch shape, the normal band is prepared once (`Band`): Algorithm
-2's whole path of plans (`PathPlanner.complete`, answered in buckets of 1/16 of M0 and of the
-balanced routing) and each plan's gates, so a micro-batch's decisions are lookups.
+Provisioner. Each key's plans come from one `PathPlanner`, whatever the shape: a few paths of
+Algorithm 2 computed on forms of the shape, answered in buckets of 1/16 of M0 and of the balanced
+routing, with each plan's gates read off forms too. A trainer that pads each micro-batch to its
+longest text brings a new shape almost every time; its decisions stay products of forms and
+lookups, never a new greedy (`Band`: one key's micro-batches of one shape).
 
 A micro-batch whose routing is known before its forward (`Foresight`: an oracle's, which ran the
 forward once to record it) is planned by Algorithm 2 for that routing instead: the limit of
@@ -19,17 +21,22 @@ what deferred planning can reach, a benchmark's reference.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from ..costmodel.graph import COLLECTIVE_OPS, EXPERT_OPS
 from ..costmodel.mitigation import MitigationOptions
 from ..costmodel.model import CostModel
 from ..costmodel.plan import Plan
-from .gate import GateDecision, GatePlan, escalated, gate_costs, plan_for_gates
-from .greedy import Decision, InfeasibleBudget, plan_micro_batch
+from .gate import GateDecision, GatePlan, escalated, plan_for_gates
+from .greedy import InfeasibleBudget, plan_micro_batch
 from .path import PathPlanner
+
+BANDS_KEPT = 64  # shapes whose bands a Decider keeps (each with a few plans' gates)
+GATES_KEPT = 8  # plans whose gates a band keeps
+PREPARED_KEPT = 64  # plans a Decider remembers handing to `on_plan`
 
 if TYPE_CHECKING:  # the stage is computed above the planner (its budgets are a BudgetState)
     from ..stage import Stage
@@ -74,85 +81,99 @@ class Forward:
 
 
 class Band:
-    """The normal routing band of one key's micro-batches of one shape (tokens, seq_len), prepared
-    once: Algorithm 2's whole path for it and each of its plans' `GatePlan`, so `Decider.begin`
-    computes no footprint. `planned` and `heaviest`: local routed pairs per MoE layer at the top
-    of the normal band and at `spike_max_imbalance`."""
+    """The normal routing band of one key's micro-batches of one shape (tokens, seq_len): the
+    routing its plans are made for, and the gates of each plan it served, kept for the plans its
+    micro-batches come back to (a few: `GATES_KEPT`). Its plans and gates come from the key's
+    `PathPlanner`, which serves every shape. `planned` and `heaviest`: local routed pairs per MoE
+    layer at the top of the normal band (rounded up to the planner's quantum) and at
+    `spike_max_imbalance`."""
 
     def __init__(self, planner: PathPlanner, tokens: int, seq_len: int | None, normal: float, heaviest: float):
         cm = planner.cm
         self.balanced = tokens * cm.pairs_per_token
         self.moe_layers = cm.moe_layers
         self._planner, self._key = planner, planner.key(tokens, [self.balanced * normal] * len(self.moe_layers), seq_len)
-        # the pairs the plans are made for (rounded up to the planner's quantum), which the gates credit
         self.planned, self.heaviest = max(self._key[2], default=0.0), self.balanced * heaviest
-        self.gates: dict[Decision, GatePlan] = {
-            d: GatePlan.of(d, gate_costs(cm, d.plan, tokens, seq_len, self.planned, planner.options), self.planned, self.heaviest)
-            for d in planner.complete(self._key)
-        }
+        self._gates: OrderedDict[Plan, GatePlan] = OrderedDict()
+        self._answers: OrderedDict[float, tuple[GatePlan, bool]] = OrderedDict()
+        self.on_plan: Callable[[GatePlan], None] | None = None
 
-    def plan(self, budget: float) -> Decision:
-        """Algorithm 2's plan for `budget`: the first on the prepared path that fits (`PathPlanner.answer`)."""
-        return self._planner.answer(self._key, budget)
+    def plan(self, budget: float) -> tuple[GatePlan, bool]:
+        """Algorithm 2's plan for `budget` with its gates, and whether it fits (else the most it
+        saves): the answers of the last budgets (in the planner's buckets) kept."""
+        floor = budget // self._planner.budget_quantum
+        answer = self._answers.get(floor)
+        if answer is None:
+            served = self._planner.find(self._key, budget)
+            plan = served.decision.plan
+            gates = self._gates.get(plan)
+            if gates is None:
+                gates = self._gates[plan] = self._planner.gates(served, self.planned, self.heaviest)
+                while len(self._gates) > GATES_KEPT:
+                    self._gates.popitem(last=False)
+                if self.on_plan is not None:
+                    self.on_plan(gates)
+            elif gates.decision != served.decision:
+                gates = replace(gates, decision=served.decision)  # the same plan, its numbers as served now
+            self._gates.move_to_end(plan)
+            answer = self._answers[floor] = gates, served.fits
+            while len(self._answers) > GATES_KEPT:
+                self._answers.popitem(last=False)
+        self._answers.move_to_end(floor)
+        return answer
 
 
 class Foresight:
-    """A micro-batch's local routed pairs per MoE layer, known before its forward, with Algorithm
-    2's whole path for them and each plan's gates, prepared now (on a planner of its own, dropped
-    with it), so its forward's decisions are lookups. Its gates plan for the routing known: they
-    leave no room for a spike, and one escalates only where no plan fits the budget."""
+    """A micro-batch's local routed pairs per MoE layer, known before its forward, answered by
+    Algorithm 2 for that routing (on a planner of its own, dropped with it). Its gates plan for
+    the routing known: they leave no room for a spike, and one escalates only where no plan fits
+    the budget."""
 
     def __init__(self, band: Band, routed: Mapping[int, float]):
         missing = [layer for layer in band.moe_layers if layer not in routed]
         if missing:
             raise ValueError(f"routed: no local routed pairs for MoE layers {missing}; got layers {sorted(routed)}")
         source = band._planner
-        self._planner = planner = PathPlanner(source.cm, source.budget_quantum, source.routed_quantum, source.strategies, source.options)
+        self._planner = PathPlanner(source.cm, source.budget_quantum, source.routed_quantum, source.strategies, source.options)
         tokens, seq_len, _ = band._key
-        self._key = planner.key(tokens, [routed[layer] for layer in band.moe_layers], seq_len)
-        planned = dict(zip(band.moe_layers, self._key[2]))  # each layer's pairs, rounded up as planned
-        self._gates = {
-            d: GatePlan.of(d, gate_costs(planner.cm, d.plan, tokens, seq_len, planned, planner.options), planned, planned)
-            for d in planner.complete(self._key)
-        }
+        self._key = self._planner.key(tokens, [routed[layer] for layer in band.moe_layers], seq_len)
+        self._planned = dict(zip(band.moe_layers, map(float, self._key[2])))  # each layer's pairs, rounded up as planned
 
     def plan(self, budget: float) -> tuple[GatePlan, float]:
         """The plan for `budget` (Algorithm 2's, or the most it can save where none fits) with its
         gates, and its slack."""
-        try:
-            decision = self._planner.answer(self._key, budget)
-        except InfeasibleBudget as exc:
-            decision = exc.best
-        return self._gates[decision], budget - decision.activation_bytes - decision.room_bytes
+        served = self._planner.find(self._key, budget)
+        d = served.decision
+        return self._planner.gates(served, self._planned, self._planned), budget - d.activation_bytes - d.room_bytes
 
 
 class Decider:
     """One rank's Algorithm 1 state and its Algorithm 2 and gate decisions (§V-A). `stage`: the
     rank's numbers (capacity, static bytes, M0, warmup depth, routing band, strategies); `costs`:
-    the cost model of each key (default: the stage's own under the key None), each prepared at
-    the stage's micro-batch shape now; `bands`: the prepared bands of deciders on the same stage
-    to share (the simulator's systems decide on the same ranks); `on_band`: called with each band
-    this decider prepares, once (the Provisioner prepares the runtime's side of its plans then)."""
+    the cost model of each key (default: the stage's own under the key None); `planners`: the
+    `PathPlanner` of each key, shared by the deciders of one stage (the simulator's systems decide
+    on the same ranks); `on_plan`: called with each plan a band serves for the first time, and its
+    gates (the Provisioner validates its regions and its escalations' then, before any forward
+    runs it). Bands are kept for the shapes seen last (`BANDS_KEPT`), plans for every shape."""
 
     def __init__(
-        self, stage: Stage, costs: dict[Hashable, CostModel] | None = None, bands: dict | None = None,
-        on_band: Callable[[Band], None] | None = None,
+        self, stage: Stage, costs: dict[Hashable, CostModel] | None = None, planners: dict | None = None,
+        on_plan: Callable[[GatePlan], None] | None = None,
     ):
         self.costs: dict[Hashable, CostModel] = dict(costs) if costs is not None else {None: stage.cost}
-        self._bands: dict[tuple, Band] = {} if bands is None else bands
-        self._on_band = on_band
+        self._planners: dict[Hashable, PathPlanner] = {} if planners is None else planners
+        self._bands: OrderedDict[tuple, Band] = OrderedDict()
+        self._on_plan = on_plan
+        self._prepared: OrderedDict[Plan, None] = OrderedDict()  # the last plans handed to on_plan
         self._quanta = (0, 0)
         self._use(stage)
         self.budgets = self.first.copy()
-        for key in self.costs:
-            self.band(key, stage.tokens, stage.recipe.batch.seq_len)
 
     def set_stage(self, stage: Stage) -> None:
         """Decide for `stage` from now on (its static bytes re-measured, or a larger M0 for a larger
         micro-batch): Algorithm 1 from its numbers, which checks that M0 fits (a ValueError with
         the numbers otherwise); the running iteration keeps its micro-batches' budgets, its used
-        bytes moved by the static bytes' change. Bands prepared stay unless the planner's
-        buckets move with M0 or the tokens."""
+        bytes moved by the static bytes' change. The planners' paths stay: they serve any shape."""
         moved = stage.static_bytes - self.stage.static_bytes
         self._use(stage)
         self.budgets.min_budget, self.budgets.used = self.first.min_budget, self.budgets.used + moved
@@ -164,26 +185,45 @@ class Decider:
         self.strategies, self.options = stage.recipe.strategies.allowed, stage.options
         quanta = (max(1, stage.min_budget // 16), max(1, int(stage.tokens * stage.cost.pairs_per_token) // 16))
         if quanta != self._quanta:
-            if self._quanta != (0, 0):
-                self._bands = {}  # no longer the shared ones: they were bucketed for other quanta
             self._quanta = quanta
+            self._bands.clear()  # their routing was rounded to the old quantum
+            for planner in self._planners.values():
+                planner.budget_quantum, planner.routed_quantum = quanta
 
     def add(self, key: Hashable, cost: CostModel) -> None:
-        """Plan micro-batches of `key` on `cost` from now on (the bands prepared on an earlier one go)."""
+        """Plan micro-batches of `key` on `cost` from now on (the paths and bands made on an earlier one go)."""
         self.costs[key] = cost
+        self._planners.pop(key, None)
         for band in [band for band in self._bands if band[0] == key]:
             del self._bands[band]
 
+    def planner(self, key: Hashable) -> PathPlanner:
+        """The `PathPlanner` of `key`'s micro-batches (made on first use)."""
+        planner = self._planners.get(key)
+        if planner is None or planner.cm is not self.costs[key]:
+            planner = self._planners[key] = PathPlanner(self.costs[key], *self._quanta, self.strategies, self.options)
+        return planner
+
     def band(self, key: Hashable, tokens: int, seq_len: int | None) -> Band:
-        """The prepared normal band of `key`'s micro-batches of `tokens` tokens (made on first use)."""
+        """The normal band of `key`'s micro-batches of `tokens` tokens (made on first use)."""
         band = self._bands.get((key, tokens, seq_len))
         if band is None:
-            budget_q, routed_q = self._quanta
-            planner = PathPlanner(self.costs[key], budget_q, routed_q, self.strategies, self.options)
-            band = self._bands[key, tokens, seq_len] = Band(planner, tokens, seq_len, self.normal, self.heaviest)
-            if self._on_band is not None:
-                self._on_band(band)
+            band = self._bands[key, tokens, seq_len] = Band(self.planner(key), tokens, seq_len, self.normal, self.heaviest)
+            band.on_plan = None if self._on_plan is None else self._prepare
+            while len(self._bands) > BANDS_KEPT:
+                self._bands.popitem(last=False)
+        self._bands.move_to_end((key, tokens, seq_len))
         return band
+
+    def _prepare(self, gates: GatePlan) -> None:
+        """`on_plan` for a plan it has not seen lately: what it checks depends on the plan alone."""
+        plan = gates.decision.plan
+        if plan not in self._prepared:
+            self._on_plan(gates)
+            self._prepared[plan] = None
+            while len(self._prepared) > PREPARED_KEPT:
+                self._prepared.popitem(last=False)
+        self._prepared.move_to_end(plan)
 
     def start_iteration(self, held: int = 0) -> None:
         """Algorithm 1 starts over: nothing of the last iteration is live but `held` bytes (graphs
@@ -205,9 +245,9 @@ class Decider:
         `held`: bytes the forward keeps beyond its cost model whatever the plan (token ids that
         are a view of a larger tensor): the plan fits what the budget leaves."""
         budget = self.budgets.budget(k) - held
-        band = self._bands.get((key, tokens, seq_len)) or self.band(key, tokens, seq_len)
+        band = self.band(key, tokens, seq_len)
         if foresight is None:
-            gates, slack = plan_for_gates(band.plan, band.gates.__getitem__, budget, band.planned, band.heaviest)
+            gates, slack = plan_for_gates(band.plan, budget, band.planned, band.heaviest)
         else:
             gates, slack = foresight.plan(budget)
         return Forward(k, budget, gates, gates.decision.plan, slack, self.budgets.headroom(k), band.balanced)

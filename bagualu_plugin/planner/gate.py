@@ -30,11 +30,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
-from ..costmodel.graph import EXPERT_OPS
+from ..costmodel.graph import EXPERT_OPS, BlockGraph
+from ..costmodel.linear import Load
 from ..costmodel.mitigation import MitigationOptions, footprint
 from ..costmodel.model import CostModel
-from ..costmodel.plan import Plan
-from .greedy import Decision, InfeasibleBudget
+from ..costmodel.plan import Block, Plan
+from ..hardware import HardwareSpec
+from .greedy import Decision
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,12 @@ def escalated(plan: Plan, layer: int, ops: tuple[str, ...] = EXPERT_OPS) -> Plan
     return plan.with_block(layer, dict.fromkeys(ops, "recompute"))
 
 
+def escalated_block(block: Block, ops: tuple[str, ...] = EXPERT_OPS) -> Block:
+    """One layer's block of a plan (`Plan.block`) with the escalation's `ops` recomputed: what
+    `escalated` makes of that layer, without making the whole plan."""
+    return tuple(sorted({**dict(block), **dict.fromkeys(ops, "recompute")}.items()))
+
+
 def per_layer(pairs: float | Mapping[int, float], layers: list[int]) -> dict[int, float]:
     """Local routed pairs per MoE layer: `pairs` for each of `layers`, or its own entry for each."""
     if isinstance(pairs, Mapping):
@@ -101,40 +109,48 @@ def per_layer(pairs: float | Mapping[int, float], layers: list[int]) -> dict[int
     return dict.fromkeys(layers, float(pairs))
 
 
+STEP = 1024  # local routed pairs of the finite differences: the bytes are linear in them
+
+
+def layer_cost(
+    block: BlockGraph, plan: Mapping[str, str], load: Load, more: Load, hardware: HardwareSpec, options: MitigationOptions,
+) -> LayerCost:
+    """What the gate of one MoE block weighs under its ops' strategies `plan`, at `load` (its
+    planned local pairs) and `more` (the same with `STEP` pairs more): the bytes of each extra
+    pair, what recomputing its routed experts changes, and the bytes per pair then (none in one
+    process; under expert parallelism the region holds the dispatched rows), and the same for the
+    collective escalation. Finite differences of the cost model's (linear) saved bytes; on
+    numbers, or on forms of the shape (`costmodel.symbolic`)."""
+
+    def kept(ops: Mapping[str, str], at: Load) -> float:
+        return footprint(block, ops, at, hardware, options).device_bytes
+
+    up = {**plan, **dict.fromkeys(EXPERT_OPS, "recompute")}
+    base, recomputed = kept(plan, load), kept(up, load)
+    collective: tuple = (None, 0.0)
+    if block.collective:
+        both = {**plan, **dict.fromkeys(block.collective, "recompute")}
+        floor = kept(both, load)
+        collective = (floor - base, (kept(both, more) - floor) / STEP)
+    return LayerCost((kept(plan, more) - base) / STEP, recomputed - base, (kept(up, more) - recomputed) / STEP, *collective)
+
+
 def gate_costs(
     cm: CostModel, plan: Plan, tokens: int, seq_len: int | None, planned: float | Mapping[int, float],
     options: MitigationOptions = MitigationOptions(),
 ) -> dict[int, LayerCost]:
-    """Per MoE layer of `cm` under `plan` at `planned` local pairs (one number for every layer,
-    or one per layer: what the plan was made for, `per_layer`): the bytes of each extra local
-    routed pair, what recomputing its experts changes, and the bytes per pair then (none in one
-    process; under expert parallelism the region holds the dispatched rows), and the same for the
-    collective escalation under expert parallelism. Finite differences over `step` pairs of the
-    cost model's (linear) saved bytes."""
-    step, planned = 1024, per_layer(planned, cm.moe_layers)
-
-    def kept(layer: int, plan: Plan, routed: float) -> float:
-        load = cm.loads(tokens, routed, seq_len)[layer]
-        names = {op.name: s for op, s in plan.items() if op.layer == layer}
-        return footprint(cm.blocks[layer], names, load, cm.hardware, options).device_bytes
-
+    """`layer_cost` of each MoE layer of `cm` under `plan` at `planned` local pairs (one number
+    for every layer, or one per layer: what the plan was made for, `per_layer`), computed once
+    for the layers alike (one block, one plan for it, one number of pairs)."""
+    planned, alike = per_layer(planned, cm.moe_layers), {}
     costs = {}
     for layer, at in planned.items():
-        base, up = kept(layer, plan, at), escalated(plan, layer)
-        recomputed = kept(layer, up, at)
-        together = cm.blocks[layer].collective
-        if together:
-            both = escalated(plan, layer, together)
-            floor = kept(layer, both, at)
-            collective = (floor - base, (kept(layer, both, at + step) - floor) / step)
-        else:
-            collective = (None, 0.0)
-        costs[layer] = LayerCost(
-            (kept(layer, plan, at + step) - base) / step,
-            recomputed - base,
-            (kept(layer, up, at + step) - recomputed) / step,
-            *collective,
-        )
+        block, ops = cm.blocks[layer], plan.block(layer)
+        key = (id(block), ops, at)
+        if key not in alike:
+            load, more = (Load.of(tokens, pairs, seq_len, cm.pairs_per_token) for pairs in (at, at + STEP))
+            alike[key] = layer_cost(block, dict(ops), load, more, cm.hardware, options)
+        costs[layer] = alike[key]
     return costs
 
 
@@ -189,32 +205,26 @@ class GatePlan:
 
 
 def plan_for_gates(
-    plan: Callable[[float], Decision], gates: Callable[[Decision], GatePlan], budget: float, planned: float, heaviest: float
+    plan: Callable[[float], tuple[GatePlan, bool]], budget: float, planned: float, heaviest: float
 ) -> tuple[GatePlan, float]:
-    """Algorithm 2 for the normal band (`plan(budget)`, at `planned` local pairs per MoE layer),
-    at a budget that leaves each layer's gate what it may need once escalated at `heaviest`
-    pairs (`gates(decision)`, a `GatePlan.of`, its `need`). When the first plan leaves less,
-    Algorithm 2 runs again at the budget less those bytes; as the plan mitigates more the
-    escalations save less, so this repeats until a plan leaves its own gates' bytes (each round's
-    needs exceed the last's, and plans are finitely many). If the budget cannot hold that much,
-    the last plan is the best there is: its gates escalate and the overrun is the caller's to
-    report. If no plan fits the budget even at `planned` pairs, the plan is the most Algorithm 2
-    can save (`InfeasibleBudget.best`, its slack negative): lighter routing than planned may
-    still fit. Returns the plan's gates and its slack: the budget less what the plan keeps and
-    its room (`Footprint.room_bytes`)."""
-    try:
-        decision = plan(budget)
-    except InfeasibleBudget as exc:
-        decision = exc.best
+    """Algorithm 2 for the normal band (`plan(budget)`: its plan at `planned` local pairs per MoE
+    layer, with its gates (`GatePlan`), and whether it fits), at a budget that leaves each
+    layer's gate what it may need once escalated at `heaviest` pairs (`GatePlan.need`). When the
+    first plan leaves less, Algorithm 2 runs again at the budget less those bytes; as the plan
+    mitigates more the escalations save less, so this repeats until a plan leaves its own gates'
+    bytes (each round's needs exceed the last's, and plans are finitely many). If the budget
+    cannot hold that much, the last plan is the best there is: its gates escalate and the overrun
+    is the caller's to report. If no plan fits the budget even at `planned` pairs, the plan is the
+    most Algorithm 2 can save (`InfeasibleBudget.best`, its slack negative): lighter routing than
+    planned may still fit. Returns the plan's gates and its slack: the budget less what the plan
+    keeps and its room (`Footprint.room_bytes`)."""
+    chosen, _ = plan(budget)
     while True:
-        chosen = gates(decision)
+        decision = chosen.decision
         slack = budget - decision.activation_bytes - decision.room_bytes
         if slack >= chosen.need or heaviest <= planned:
             return chosen, slack
-        try:
-            tighter = plan(budget - chosen.need)
-        except InfeasibleBudget:
+        tighter, fits = plan(budget - chosen.need)
+        if not fits or tighter.decision.plan == decision.plan:
             return chosen, slack
-        if tighter.plan == decision.plan:
-            return chosen, slack
-        decision = tighter
+        chosen = tighter

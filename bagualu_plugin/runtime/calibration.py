@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import transformers
 
 from ..costmodel import OpId
+from ..costmodel.graph import BlockGraph
 from ..costmodel.linear import Load
-from ..costmodel.mitigation import MitigationOptions, device_bytes_by_op, footprint
+from ..costmodel.mitigation import MitigationOptions, charged_form, device_bytes_by_op
 from ..costmodel.model import CostModel
-from ..costmodel.plan import Plan
+from ..costmodel.plan import Block, Plan
 
 
 @dataclass(frozen=True)
@@ -132,29 +133,46 @@ class Expected:
     """What one forward's decoder layers are expected to keep, added up layer by layer as its gates
     come: at the gate of a layer every layer before it has run, under the plan in force, with its
     own gate's routing. (The embedding's block is left out: what the layers receive is charged to
-    it when some region holds it, in whichever layer.)"""
+    it when some region holds it, in whichever layer.) Where a block's plan keeps and recomputes
+    only, its bytes are linear in the load (`charged_form`): at this forward's shape, a number and
+    a number per routed pair, asked once per block and plan; else priced at each gate's load."""
 
     def __init__(self, cm: CostModel, tokens: int, seq_len: int, options: MitigationOptions):
         self.cm, self.tokens, self.seq_len, self.options = cm, tokens, seq_len, options
         self._layers = iter(sorted(i for i in cm.blocks if i >= 0))
         self._next = next(self._layers, None)
         self.bytes = 0.0
+        self._rates: dict[tuple, tuple[float, float] | None] = {}  # (block, its plan, ops) -> bytes at no pairs, per pair
+
+    def _charged(self, block: BlockGraph, own: Block, pairs: float | None, ops: frozenset[str] | None) -> float:
+        """Bytes `block`'s `ops` (None: all of them) keep under its plan `own` with `pairs` routed
+        (None: `tokens * top_k`)."""
+        if block.kind != "moe":
+            pairs = 0
+        elif pairs is None:
+            pairs = self.tokens * self.cm.pairs_per_token
+        key = (id(block), own, ops)
+        rate = self._rates.get(key, ())
+        if rate == ():
+            form = charged_form(block, dict(own), block.op_names if ops is None else ops, self.options)
+            rate = self._rates[key] = None if form is None else (form.at(self._load(0)), form.per_routed)
+        if rate is not None:
+            return rate[0] + rate[1] * pairs
+        by_op = device_bytes_by_op(block, dict(own), self._load(pairs), self.options)
+        return sum(by_op.values()) if ops is None else sum(by_op.get(op, 0.0) for op in ops)
+
+    def _load(self, pairs: float) -> Load:
+        return Load.of(self.tokens, pairs, self.seq_len, self.cm.pairs_per_token)
 
     def before(self, layer: int, plan: Plan, routed: Mapping[int, float]) -> float:
         """Bytes the decoder layers before `layer` are expected to keep."""
-        cm, blocks = self.cm, plan.blocks()
         while self._next is not None and self._next < layer:
-            block = cm.blocks[self._next]
-            pairs = routed.get(self._next) if block.kind == "moe" else 0
-            load = Load.of(self.tokens, pairs, self.seq_len, cm.pairs_per_token)
-            self.bytes += footprint(block, dict(blocks.get(self._next, ())), load, cm.hardware, self.options).device_bytes
+            i = self._next
+            self.bytes += self._charged(self.cm.blocks[i], plan.block(i), routed.get(i), None)
             self._next = next(self._layers, None)
         return self.bytes
 
     def ran(self, layer: int, plan: Plan, pairs: float, ops: set[str]) -> float:
         """Bytes the ops `ops` of `layer`, which have run, are expected to keep under `plan` with
         `pairs` routed (at its gate: those before its routed experts, in the family's own order)."""
-        block = self.cm.blocks[layer]
-        load = Load.of(self.tokens, pairs if block.kind == "moe" else 0, self.seq_len, self.cm.pairs_per_token)
-        by_op = device_bytes_by_op(block, dict(plan.blocks().get(layer, ())), load, self.options)
-        return sum(by_op.get(op, 0.0) for op in ops)
+        return self._charged(self.cm.blocks[layer], plan.block(layer), pairs, frozenset(ops))

@@ -255,7 +255,7 @@ class Ledger:
         self._peak = 0
         self._released: deque[tuple[_Live, weakref.ref]] = deque()
         self._charges: dict[StorageKey, tuple[object, weakref.ref]] = {}  # `charge`'s, until the tensor dies
-        self._by_layer: dict[tuple[int | None, int | None], int] = {}  # device bytes per (micro-batch, op's layer)
+        self._decoder: dict[int | None, int] = {}  # device bytes per micro-batch charged past the embedding (`decoder_bytes`)
         self._lock = threading.Lock()
 
     @classmethod
@@ -556,11 +556,13 @@ class Ledger:
         if allocator and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def by_layer(self, micro_batch: int | None) -> dict[int | None, int]:
-        """Device bytes of `micro_batch` per block of the ops charged (None: outside any op), kept
-        as records come and go: cheap enough to read at every gate."""
-        with self._locked():
-            return {layer: n for (mb, layer), n in self._by_layer.items() if mb == micro_batch}
+    def decoder_bytes(self, micro_batch: int | None) -> int:
+        """Device bytes of `micro_batch` charged to the blocks past its embedding, kept as records
+        come and go: cheap enough to read at every gate, where they are the bytes of the gate's
+        layer and of those before it."""
+        with self._lock:  # not `_locked()`: a generator's enter and exit at every gate cost more than the count
+            self._apply_releases()
+            return self._decoder.get(micro_batch, 0)
 
     def by_op(self, residency: Residency = "device", micro_batch: object = ALL) -> dict[object, int]:
         """Bytes per op charged, of every micro-batch (`ALL`) or of `micro_batch` only."""
@@ -609,13 +611,17 @@ class Ledger:
                     self._count_layer(record.micro_batch, record.op, -record.nbytes)
 
     def _count_layer(self, micro_batch: int | None, op: object, nbytes: int) -> None:
-        """`by_layer`'s count of (micro-batch, op's block) moved by `nbytes`; an entry at 0 goes."""
-        where = (micro_batch, getattr(op, "layer", None))
-        total = self._by_layer.get(where, 0) + nbytes
+        """`decoder_bytes`' count of `micro_batch` moved by `nbytes` where `op` is a decoder
+        layer's or the head's (block -1 is the embedding; at a gate the head has not run, nor the
+        layers after the gate's); an entry at 0 goes."""
+        layer = getattr(op, "layer", None)
+        if layer is None or layer < 0:
+            return
+        total = self._decoder.get(micro_batch, 0) + nbytes
         if total:
-            self._by_layer[where] = total
+            self._decoder[micro_batch] = total
         else:
-            del self._by_layer[where]
+            del self._decoder[micro_batch]
 
     def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
         live = self._bytes["device"] + self._in_flight_bytes

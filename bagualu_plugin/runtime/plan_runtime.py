@@ -70,7 +70,7 @@ class PlanRuntime:
         # set_plan's, per layer and its block of the plan: a layer takes few blocks (those of
         # Algorithm 2's paths and the gates' escalations of them), where whole plans, combining
         # every layer's, keep coming new over a long run with spikes
-        self._block_regions = cache(self._regions_of)
+        self.block_regions = cache(self._regions_of)
         self._ops = frozenset(self.adapter.ops())
         self._frames: dict[int | None, dict[int, list[weakref.ref]]] = {}  # micro-batch: layer: its live regions
         self._stack: ExitStack | None = None
@@ -94,10 +94,10 @@ class PlanRuntime:
     def regions(self, plan: Plan) -> dict[tuple[int, tuple[str, ...]], frozenset[str]]:
         """`plan` validated and the checkpoint regions of its recompute, per (layer, ops): what
         each drops. Each layer's block of a plan is validated and its regions found once
-        (`_regions_of`): the Provisioner has every block its bands may run found ahead."""
+        (`block_regions`): the Provisioner has every block its plans may run found ahead."""
         regions = {}
         for layer, block in plan.blocks().items():
-            regions.update(self._block_regions(layer, block))
+            regions.update(self.block_regions(layer, block))
         return regions
 
     def _regions_of(self, layer: int, block: Block) -> dict[tuple[int, tuple[str, ...]], frozenset[str]]:

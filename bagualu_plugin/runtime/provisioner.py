@@ -44,8 +44,8 @@ from ..costmodel.graph import COLLECTIVE_OPS, OpId
 from ..derive import derive_recipe
 from ..parallel.expert import any_rank, expert_group
 from ..parallel.lockstep import lockstep_group, recomputed_anywhere
-from ..planner.decider import Band, Decider, Deferral, Escalation, Foresight, Forward
-from ..planner.gate import escalated
+from ..planner.decider import Decider, Deferral, Escalation, Foresight, Forward
+from ..planner.gate import GatePlan, escalated_block
 from ..stage import Stage, mitigation_options
 from ..units import fmt_bytes
 from .boundaries import Boundaries, ForwardKind
@@ -56,6 +56,9 @@ from .static_memory import StaticMemory
 
 EVENTS_KEPT = 4096  # events held in memory; the telemetry file has them all
 INSTALLED_ATTR = "_bagualu_provisioner"  # on the HF model while a Provisioner is installed
+
+
+_COLLECTIVE = frozenset(COLLECTIVE_OPS)
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ class Event:
     tokens: int
     seq_len: int
     room_bytes: float = 0.0  # room beyond what it keeps, counted in its budget: its backward's reloads, or a moment's saves (Footprint)
-    planner_s: float = 0.0
+    planner_s: float = 0.0  # its budget, plan and their install (begin_forward past its model checks), and each gate's decision
     capacity: int = 0  # the stage's device capacity
     forward: int = 0  # its place among the run's forwards (the file is in backward order)
     mitigation_s: float = 0.0  # the time its plan adds, forward and backward, as the cost model prices it
@@ -128,7 +131,7 @@ class _Forward:
     expected: Expected  # what its blocks should keep, as its gates come
     spilled_before: int  # the Ledger's `spilled_bytes` as it began: what its forward moves is the difference
     beyond: float = 0.0  # what its layers before the latest gate kept beyond that, taken from its slack
-    ran: set[OpId] = field(default_factory=set)  # the ops its forward has entered so far
+    ran: dict[int, set[str]] = field(default_factory=dict)  # the ops its forward has entered so far, by layer
 
 
 def _check_expert_group(adapter: Adapter, recipe: Recipe) -> None:
@@ -208,7 +211,7 @@ class Provisioner:
         self._given_cost = cost is not None
         self.calibration = Calibration(adapter.family.model_type)
         static = self.static.measure() if measured else None
-        self.decider = Decider(Stage.of(recipe, first, split=False, static_bytes=static), {kind: first}, on_band=self._prepare)
+        self.decider = Decider(Stage.of(recipe, first, split=False, static_bytes=static), {kind: first}, on_plan=self._prepare)
         stage = self.stage
         self.ledger.static_bytes = stage.static_bytes
         # the last resort, whatever the strategies a plan may use: a save past the capacity moves kept
@@ -236,27 +239,26 @@ class Provisioner:
         self._awaiting_backward: dict[int, Event] = {}
         self._forward: _Forward | None = None
         self._foreseen: dict[int, tuple[tuple[int, int, ForwardKind], Foresight]] = {}  # by micro-batch (`foresee`)
-        self._shapes: set[tuple[int, int, ForwardKind]] = set()  # (tokens, seq_len, kind) of the micro-batches seen
-        self._checked: dict[ForwardKind, list[tuple[int, int]]] = {}  # per kind, the (tokens, seq_len) whose M0 was checked
+        # per kind, the largest (tokens, seq_len) whose M0 was checked: none holds another, so a stream of new
+        # shapes keeps a few, whatever its length
+        self._checked: dict[ForwardKind, list[tuple[int, int]]] = {}
         self._peak = 0  # peak_device_bytes before the static bytes last changed
         setattr(adapter.model, INSTALLED_ATTR, self)
         self.boundaries = Boundaries(self, kind.autocast) if recipe.pipeline.pp == 1 else None
         if self.static is not None:
             self.static.watch(self._rebase)
 
-    def _prepare(self, band: Band) -> None:
-        """Every plan `band`'s micro-batches may run, each with every escalation its gates may
-        make: validated and their regions found (per layer's block, so that escalations of
-        several layers compose), their telemetry names made, now. A long run then meets nothing
-        new after its first micro-batches, whatever the routing or the budgets."""
-        for decision, gates in band.gates.items():
-            plan = decision.plan
-            plan.named()
-            self.runtime.regions(plan)
-            for layer, cost in gates.costs.items():
-                self.runtime.regions(escalated(plan, layer))
-                if cost.collective is not None:
-                    self.runtime.regions(escalated(plan, layer, COLLECTIVE_OPS))
+    def _prepare(self, gates: GatePlan) -> None:
+        """A plan a band serves for the first time, with every escalation its gates may make:
+        validated and its regions found (per layer's block, so that escalations of several layers
+        compose), its telemetry names made, now, before a forward runs it."""
+        plan = gates.decision.plan
+        plan.named()
+        self.runtime.regions(plan)
+        for layer, cost in gates.costs.items():
+            self.runtime.block_regions(layer, escalated_block(plan.block(layer)))
+            if cost.collective is not None:
+                self.runtime.block_regions(layer, escalated_block(plan.block(layer), COLLECTIVE_OPS))
 
     @property
     def stage(self) -> Stage:
@@ -304,14 +306,13 @@ class Provisioner:
         """A micro-batch larger than any of its kind before (or of a kind none was): M0 at its
         shape and kind, checked to fit; the stage keeps the larger M0. Each kind is checked at its
         own shapes: a padded micro-batch as long as the plain ones keeps more than they do."""
-        self._shapes.add((tokens, seq_len, kind))
         if kind not in self.decider.costs:
             self._add(kind)
         checked = self._checked.setdefault(kind, [])
         if any(tokens <= t and seq_len <= s for t, s in checked):
             return
         self._floor(mb, tokens, seq_len, kind)
-        checked.append((tokens, seq_len))
+        checked[:] = [(t, s) for t, s in checked if not (t <= tokens and s <= seq_len)] + [(tokens, seq_len)]
 
     def _floor(self, mb: int, tokens: int, seq_len: int, kind: ForwardKind) -> None:
         """M0 at micro-batch `mb`'s shape and kind, checked to fit; the stage keeps the larger M0."""
@@ -337,6 +338,7 @@ class Provisioner:
         Ledger's activations together (on CPU, the simulated device's)."""
         return max(self._peak, self.stage.static_bytes + self.ledger.peak_device_bytes)
 
+    @torch.compiler.disable  # host-side decisions on numpy arrays (`planner.path`): never traced into a compiled graph
     def begin_forward(
         self, mb: int, tokens: int, seq_len: int, *, kind: ForwardKind = ForwardKind(), phase: str | None = None,
         in_flight: int | None = None, ids: torch.Tensor | None = None, varlen_bytes: int = 0,
@@ -352,7 +354,6 @@ class Provisioner:
         arguments the model is given (`runtime.boundaries.varlen_bytes`: TRL's padding-free
         packing), which a region holding the layer arguments keeps: made room for too. Returns
         the micro-batch's event, which its forward and backward complete."""
-        start = time.perf_counter()
         if self._forward is not None:
             raise ValueError(f"begin_forward({mb}): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
         if mb == 0:  # a new iteration: Algorithm 1 starts over, with nothing left of the last one
@@ -362,11 +363,12 @@ class Provisioner:
                 raise ValueError(
                     f"begin_forward(0): micro-batches {sorted(self._awaiting_backward)} of the last iteration await end_backward"
                 )
+        start = time.perf_counter()  # the planner's time from here: the checks of the model above are not its
+        if mb == 0:
             if self.static is not None and self.ledger.device.type == "cuda":
                 self._rebase()
             self.decider.start_iteration(self.ledger.live_device_bytes)  # graphs kept from before (an abandoned forward's)
-        if (tokens, seq_len, kind) not in self._shapes:
-            self._grow(mb, tokens, seq_len, kind)
+        self._grow(mb, tokens, seq_len, kind)
         pipe = self.recipe.pipeline
         scheduled = self.phases.get(mb, "steady")
         for name, given, wanted in (("phase", phase, scheduled), ("in_flight", in_flight, len(self._awaiting_backward))):
@@ -420,8 +422,7 @@ class Provisioner:
         check after it measure it as one; its plan stays (the model's pre-hooks armed for it)."""
         f = self._forward
         e = f.event
-        if (e.tokens, e.seq_len, kind) not in self._shapes:
-            self._grow(e.micro_batch, e.tokens, e.seq_len, kind)
+        self._grow(e.micro_batch, e.tokens, e.seq_len, kind)
         f.kind, e.kind = kind, kind._asdict()
         f.expected = Expected(self.decider.costs[kind], e.tokens, e.seq_len, self.stage.options)
 
@@ -457,8 +458,7 @@ class Provisioner:
         it is planned by Algorithm 2 for that routing, not for the normal band (paper §V-A's
         planning with the routing known: the oracle benchmarks measure adaptive provisioning
         against). Prepared now, so its forward decides by lookup."""
-        if (tokens, seq_len, kind) not in self._shapes:
-            self._grow(mb, tokens, seq_len, kind)
+        self._grow(mb, tokens, seq_len, kind)
         self._foreseen[mb] = ((tokens, seq_len, kind), self.decider.foresee(tokens, seq_len, routed, kind))
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor | None, local_pairs: torch.Tensor | int) -> None:
@@ -470,10 +470,11 @@ class Provisioner:
             return
         group, before = self._groups.get(layer), f.decided.plan
         pairs = int(local_pairs)  # a host sync where pairs are counted on the device (two under EP)
+        start = time.perf_counter()  # the planner's time from here: the device's work before is not its
         # what the blocks before the gate, and this layer's ops that ran before it, kept beyond
         # their prediction, as a spike's pairs would
-        kept = sum(n for block, n in self.ledger.by_layer(f.event.micro_batch).items() if block is not None and 0 <= block <= layer)
-        ran = {op.name for op in f.ran if op.layer == layer} - set(COLLECTIVE_OPS)  # entered, not run (under EP)
+        kept = self.ledger.decoder_bytes(f.event.micro_batch)  # its layers' so far: this one's and those before it
+        ran = f.ran.get(layer, set()) - _COLLECTIVE  # entered, not run (under EP)
         expected = f.expected.before(layer, before, f.decided.routed) + f.expected.ran(layer, before, pairs, ran)
         beyond = kept - expected - f.beyond
         if beyond > 0:
@@ -485,11 +486,12 @@ class Provisioner:
         self.decider.at_gate(f.decided, layer, pairs, agree, lockstep)
         if f.decided.plan is not before:
             self.runtime.set_plan(f.decided.plan)
+        f.event.planner_s += time.perf_counter() - start
 
     def _entered(self, op: OpId) -> None:
         """The op tracker's listener: which ops the running forward has entered (`_on_gate`)."""
         if self._forward is not None:
-            self._forward.ran.add(op)
+            self._forward.ran.setdefault(op.layer, set()).add(op.name)
 
     def end_forward(self, mb: int) -> int:
         """The bytes micro-batch `mb` really keeps; its budget becomes that, with the room its

@@ -13,6 +13,7 @@ second, restarts included, as §VI-A does.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,13 +64,18 @@ class Simulation:
     decision_max_s: float
     decision_warm_max_s: float  # the slowest iteration after the first, whose caches start cold
     decision_first_s: float
+    decision_forward_s: list[float]  # per chunk forward in order, the slowest rank's budget, plan and gates (the first starts cold)
 
     def to_json(self) -> dict:
+        forwards = sorted(self.decision_forward_s[1:]) or self.decision_forward_s
         return {"preset": self.preset, "simulated": True, "iterations": self.iterations, "seed": self.seed,
                 "systems": [asdict(o) for o in self.outcomes], "ablation": [asdict(a) for a in self.ablation],
                 "decision_s_per_iteration": self.decision_s, "decision_median_s_per_iteration": self.decision_median_s,
                 "decision_max_s_per_iteration": self.decision_max_s, "decision_warm_max_s_per_iteration": self.decision_warm_max_s,
-                "decision_first_s_per_iteration": self.decision_first_s}
+                "decision_first_s_per_iteration": self.decision_first_s,
+                "decision_median_s_per_forward": statistics.median(self.decision_forward_s),
+                "decision_p99_s_per_forward": forwards[math.ceil(0.99 * len(forwards)) - 1],
+                "decision_warm_max_s_per_forward": forwards[-1], "decision_first_s_per_forward": self.decision_forward_s[0]}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -162,5 +168,5 @@ def simulate(recipe: Recipe, iterations: int = 100, seed: int | None = None, pre
     seed = recipe.spikes.seed if seed is None else seed
     return Simulation(
         preset, iterations, seed, outcomes, levels, statistics.mean(decisions), statistics.median(decisions), max(decisions),
-        max(decisions[1:], default=decisions[0]), decisions[0],
+        max(decisions[1:], default=decisions[0]), decisions[0], every[0].decision_forward_s,
     )

@@ -45,7 +45,7 @@ class Rank:
     stage: Stage
     costs: tuple[StageCosts, ...]
     positions: tuple[tuple[int, ...], ...]
-    bands: dict = field(default_factory=dict, compare=False, repr=False)  # its deciders' prepared bands, shared
+    planners: dict = field(default_factory=dict, compare=False, repr=False)  # its deciders' path planners, shared
 
     def imbalance(self, trace: Trace, it: int, mb: int) -> list[tuple[float, ...]]:
         """Per chunk, the routing of its MoE layers in micro-batch `mb` of iteration `it`."""
@@ -126,10 +126,12 @@ class BaGuaLu(System):
         self.name, self.ranks, self.trace = name, list(ranks), trace
         self._deciders = [_Decider(r, fused) for r in self.ranks]
         self.decision_s: list[float] = []
+        self.decision_forward_s: list[float] = []  # per chunk forward, in order: the slowest rank's budget, plan and gates
 
     def iteration(self, it: int) -> list[list[MicroBatch]]:
-        out, spent = zip(*(d.iteration(self.trace, it) for d in self._deciders))
+        out, spent, forwards = zip(*(d.iteration(self.trace, it) for d in self._deciders))
         self.decision_s.append(max(spent))
+        self.decision_forward_s.extend(map(max, zip(*forwards)))
         return list(out)
 
 
@@ -147,7 +149,7 @@ class _Decider:
     def __init__(self, rank: Rank, fused: bool = True):
         s = self.stage = rank.stage
         self.rank, self.vp = rank, len(rank.costs)
-        self.decider = Decider(s, {c: costs.cm for c, costs in enumerate(rank.costs)}, rank.bands)
+        self.decider = Decider(s, {c: costs.cm for c, costs in enumerate(rank.costs)}, rank.planners)
         self.schedules = ScheduleCache(s.chunks, s.options) if fused and s.recipe.pipeline.pp > 2 else None
         self.forwards = [(f.micro_batch, f.chunk) for f in s.schedule if f.kind == "F"]
         self.moe_layers = [costs.cm.moe_layers for costs in rank.costs]
@@ -155,11 +157,12 @@ class _Decider:
         agreement_s = s.recipe.hardware.all_reduce_s(s.recipe.parallel.ep)
         self.agreement_s = [agreement_s * sum(bool(costs.cm.blocks[i].collective) for i in costs.cm.moe_layers) for costs in rank.costs]
 
-    def iteration(self, trace: Trace, it: int) -> tuple[list[MicroBatch], float]:
-        """The rank's micro-batch costs in iteration `it`, and the seconds its decisions took."""
+    def iteration(self, trace: Trace, it: int) -> tuple[list[MicroBatch], float, list[float]]:
+        """The rank's micro-batch costs in iteration `it`, the seconds its decisions took, and those
+        of each forward's budget, plan and gates."""
         s, vp, decider = self.stage, self.vp, self.decider
         seq_len = s.recipe.batch.seq_len
-        plans, spent = {}, 0.0
+        plans, spent, forwards = {}, 0.0, []
         out: list[MicroBatch | None] = [None] * len(self.forwards)
         start = time.perf_counter()
         decider.start_iteration()
@@ -170,7 +173,8 @@ class _Decider:
             f = decider.begin(k, s.tokens, seq_len, c)
             for layer, x in zip(self.moe_layers[c], imbalance):
                 decider.at_gate(f, layer, f.balanced * x)
-            spent += time.perf_counter() - start
+            forwards.append(time.perf_counter() - start)
+            spent += forwards[-1]
             cost = self.rank.costs[c].under(f.plan).at(imbalance)  # what the Ledger would measure
             start = time.perf_counter()
             decider.end(f, round(cost.held_bytes))
@@ -188,7 +192,7 @@ class _Decider:
                     fx, by = x[0] * vp + x[1], y[0] * vp + y[1]
                     out[fx] = replace(out[fx], forward_s=out[fx].forward_s * factor)
                     out[by] = replace(out[by], backward_s=out[by].backward_s * factor)
-        return [replace(m, forward_s=m.forward_s + self.agreement_s[u % vp]) for u, m in enumerate(out)], spent
+        return [replace(m, forward_s=m.forward_s + self.agreement_s[u % vp]) for u, m in enumerate(out)], spent, forwards
 
 
 Unit = tuple[int, int]  # (micro-batch, chunk)
