@@ -254,13 +254,16 @@ class _Layout:
     """What a plan does to one block's saved tensors whatever the load (`footprint`'s first half):
     the tensors the block counts (not the layer arguments, which the model counts), each one's
     form at `offload_min_bytes` or more and below it, with the op that brings it back where it is
-    offloaded or cast (the first such saver), and the ops its regions replay."""
+    offloaded or cast (the first such saver), the ops its regions replay, and the regions
+    (`_regions`)."""
 
     tensors: tuple[TensorSpec, ...]
     forms: tuple[tuple[str | None, str | None], ...]  # (at least offload_min_bytes, below)
     makers: tuple[dict[str, str], ...]  # form -> its maker
     replayed: tuple[OpSpec, ...]
     chunked: bool
+    region_of: Mapping[str, frozenset[str]]
+    held: Mapping[str, str]
 
 
 @memoised
@@ -278,7 +281,7 @@ def _layout(block: BlockGraph, plan: Mapping[str, str], options: MitigationOptio
         {form: next(s for s in t.savers if plan.get(s) == form) for form in set(pair) if form in ("fp8", "offload")}
         for t, pair in zip(tensors, forms)
     )
-    return _Layout(tensors, forms, makers, tuple(replayed), chunked)
+    return _Layout(tensors, forms, makers, tuple(replayed), chunked, region_of, held)
 
 
 @dataclass(frozen=True)
@@ -430,14 +433,10 @@ class _Charges:
 
 @memoised
 def _charges(block: BlockGraph, plan: Mapping[str, str], options: MitigationOptions) -> _Charges:
-    _check_plan(block, plan)
-    chunked = _chunked(block, options)
-    every = block.path_tensors(chunked)
-    region_of, held, _ = _regions(block, plan, chunked, every)
-    order = block.op_names
+    layout = _layout(block, plan, options)
+    region_of, held, order = layout.region_of, layout.held, block.op_names
 
-    def charge(t: TensorSpec, large: bool) -> tuple[str, str] | None:
-        form = "device" if t.name in held else stored_form(t, plan, region_of, large)
+    def charge(t: TensorSpec, form: str | None, large: bool) -> tuple[str, str] | None:
         if form == "fp8":
             return next(s for s in t.savers if plan.get(s) == "fp8"), form
         if form != "device":
@@ -452,16 +451,15 @@ def _charges(block: BlockGraph, plan: Mapping[str, str], options: MitigationOpti
                 keepers.append(saver)
         return (min(keepers, key=order.index) if keepers else t.savers[0]), form
 
-    tensors = tuple(t for t in every if not t.held_by)
-    charges = tuple((charge(t, True), charge(t, False)) for t in tensors)
+    charges = tuple((charge(t, large, True), charge(t, small, False)) for t, (large, small) in zip(layout.tensors, layout.forms))
     forms: dict[str, LinearForm] | None = {}
-    for t, (large, small) in zip(tensors, charges):
+    for t, (large, small) in zip(layout.tensors, charges):
         if large != small or (large is not None and large[1] == "fp8"):
             forms = None
             break
         if large is not None:
             forms[large[0]] = forms.get(large[0], LinearForm()) + t.elements * t.dtype_bytes
-    return _Charges(tensors, charges, forms)
+    return _Charges(layout.tensors, charges, forms)
 
 
 def _chunked(block: BlockGraph, options: MitigationOptions) -> bool:
