@@ -6,7 +6,7 @@
         -- examples/finetune_moe.py --model CKPT ...
 
 On the process whose RANK is --rank, the --gate-th MoE gate its Provisioner handles (counted from
-1, over the whole run) raises `RuntimeError("injected fault ...")` or sends the process SIGKILL:
+1, over the whole run) raises `RuntimeError("injected fault ...")` or sends the process SIGKILL (or SIGSEGV):
 between a layer's routing and its dispatch, while the other ranks wait in a collective (the
 pipeline's P2P, the experts' all-to-all, DDP's gradient all-reduce). Every other rank, and this
 one until then, runs the entry point unchanged, as `__main__`."""
@@ -23,14 +23,15 @@ from bagualu_plugin.runtime.provisioner import Provisioner
 
 def inject(rank: int, gate: int, how: str) -> None:
     """Make this process (rank `rank`) fail at the `gate`-th MoE gate its Provisioners handle
-    (from 1): raise RuntimeError (`how="raise"`) or SIGKILL itself (`how="kill"`)."""
+    (from 1): raise RuntimeError (`how="raise"`), or SIGKILL itself (`how="kill"`) or SIGSEGV
+    (`how="segv"`, a crash)."""
     gates, on_gate = itertools.count(1), Provisioner._on_gate
 
     def failing(self, layer, *rest):
         n = next(gates)
         if n == gate:
-            if how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
+            if how in ("kill", "segv"):
+                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSEGV)
             raise RuntimeError(f"injected fault at gate {n} (layer {layer}) on rank {rank}")
         return on_gate(self, layer, *rest)
 
@@ -41,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rank", type=int, required=True, help="the RANK that fails")
     parser.add_argument("--gate", type=int, required=True, help="fail at this rank's n-th MoE gate (from 1)")
-    parser.add_argument("--how", choices=("raise", "kill"), required=True)
+    parser.add_argument("--how", choices=("raise", "kill", "segv"), required=True)
     argv = sys.argv[1:]
     if "--" not in argv:
         parser.error("expected -- then the entry point: -m MODULE ARGS... or SCRIPT ARGS...")

@@ -50,9 +50,14 @@ def _training(rank: int, size: int, how: str) -> None:
         prov.remove()
 
 
-@pytest.mark.parametrize("how", ["raise", "kill"])
+@pytest.mark.parametrize("how", ["raise", "kill", "segv"])
 def test_run_ranks(how):
-    expected = {"raise": "rank 1 failed: " + ERRORS["raise"], "kill": r"rank 1 exited with code -9 \(SIGKILL\) before reporting"}
+    """A rank's error, its death, or its crash with the Python stacks it left (where it was)."""
+    expected = {
+        "raise": "rank 1 failed: " + ERRORS["raise"],
+        "kill": r"rank 1 exited with code -9 \(SIGKILL\) before reporting",
+        "segv": r"rank 1 exited with code -11 \(SIGSEGV\) before reporting\nFatal Python error: Segmentation fault(.|\n)*in failing",
+    }
     start = time.monotonic()
     with pytest.raises(RankError, match=expected[how]):
         run_ranks(_training, 2, how, timeout_s=TIMEOUT_S)

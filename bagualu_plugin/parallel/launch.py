@@ -11,12 +11,14 @@ as spawn does; each rank takes the parent's environment as it is at the launch.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import queue
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -64,7 +66,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, size: int, port: int, timeout_s: float, threads: int, env: dict, fn: Callable, args: tuple, results) -> None:
+def _rank_main(
+    rank: int, size: int, port: int, timeout_s: float, threads: int, env: dict, fn: Callable, args: tuple, results, faults: str
+) -> None:
+    # a crash (a signal) leaves every thread's Python stack in `faults`, which the parent reports
+    faulthandler.enable(open(os.path.join(faults, f"rank{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115 - the process's life
     os.environ.clear()
     os.environ.update(env)  # the parent's now, not the forkserver's from when it started
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -106,8 +112,9 @@ def run_ranks(
     ctx = context()
     results = ctx.Queue()
     port, env = free_port(), dict(os.environ)
+    faults = tempfile.TemporaryDirectory(prefix="bagualu-ranks-")
     procs = [
-        ctx.Process(target=_rank_main, args=(r, size, port, timeout_s, threads, env, fn, args, results), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, size, port, timeout_s, threads, env, fn, args, results, faults.name), daemon=True)
         for r in range(size)
     ]
     for p in procs:
@@ -132,13 +139,14 @@ def run_ranks(
             first = first or time.monotonic()
             failed[rank] = value
         if failed or len(out) < size:
-            raise RankError(_cause(procs, out, failed)) from None
+            raise RankError(_cause(procs, out, failed, faults.name)) from None
         for p in procs:
             p.join(timeout=30)
     finally:
         for p in procs:
             if p.is_alive():
                 p.terminate()
+        faults.cleanup()
     return [out[r] for r in range(size)]
 
 
@@ -147,13 +155,16 @@ def _dead(procs: list, out: dict, failed: dict) -> list[int]:
     return [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in failed]
 
 
-def _cause(procs: list, out: dict, failed: dict[int, tuple[float, str]]) -> str:
+def _cause(procs: list, out: dict, failed: dict[int, tuple[float, str]], faults: str) -> str:
     """The job's failure, its cause first: a rank that died without a word (the others' errors
-    follow from it), else the first rank to raise; then the others' errors, a line each."""
+    follow from it), with the stacks its crash left in `faults`, else the first rank to raise;
+    then the others' errors, a line each."""
     lines = []
     for r in _dead(procs, out, failed):
         code = procs[r].exitcode
         lines.append(f"rank {r} exited with code {code}{f' ({signal.Signals(-code).name})' if code < 0 else ''} before reporting")
+        with open(os.path.join(faults, f"rank{r}.txt")) as stacks:
+            lines.extend(line.rstrip() for line in stacks if line.strip())
     for r, (_, what) in sorted(failed.items(), key=lambda item: item[1][0]):
         lines.append(f"rank {r} failed: {what}" if not lines else f"then rank {r} failed: {what.splitlines()[0]}")
     return "\n".join(lines)
