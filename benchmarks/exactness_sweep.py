@@ -9,9 +9,11 @@ A case draws a family, a trainer (TRL's SFTTrainer, HF's Trainer with its langua
 collator, or a plain loop with `bgl.apply`), PEFT LoRA or not, the per-device batch, the longest
 text (texts of uneven length: padded batches and unpadded ones), gradient accumulation, the
 strategies, a capacity between the floor (full recompute) and the unplanned micro-batch, and the
-precision: FP32, or a BF16 checkpoint trained under autocast to BF16 (the Trainers' `bf16=True`,
-TRL's default; the loop's `torch.autocast`); SFTTrainer's cases may pack the texts (`packing=True`:
-padding-free rows, the varlen arguments through the layers).
+precision (`PRECISIONS`): FP32 throughout; a BF16 checkpoint under autocast to BF16; or standard
+mixed precision, FP32 weights under autocast to BF16 (SFTTrainer at its defaults, HF's Trainer with
+`bf16=True`, the loop's `torch.autocast`) or to FP16 (the loop's: accelerate runs no FP16 autocast
+on a CPU). SFTTrainer's cases may pack the texts (`packing=True`: padding-free rows, the varlen
+arguments through the layers).
 Tiny random-init checkpoints, saved and loaded offline, on the CPU; the capacity is simulated.
 
     python benchmarks/exactness_sweep.py --cases 500 --seed 7    # a table of outcomes; exit 1 on a failure
@@ -41,6 +43,9 @@ import torch  # noqa: E402
 
 FAMILIES = ("deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "qwen2_moe", "qwen3_moe")
 LORA = {"deepseek_v3": ["q_b_proj", "kv_b_proj"]}  # others: q_proj, v_proj
+# precision: (the weights' dtype, the autocast's dtype or None)
+PRECISIONS = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, torch.bfloat16), "mixed-bf16": (torch.float32, torch.bfloat16),
+              "mixed-fp16": (torch.float32, torch.float16)}
 STRATEGIES = (["recompute"], ["recompute", "offload"], ["recompute", "offload", "fp8"], ["offload"], ["offload", "fp8"])
 WORDS = "the quick brown fox jumps over a lazy dog while experts route tokens across ranks".split()
 
@@ -56,7 +61,7 @@ class Case:
     strategies: tuple[str, ...]
     share: float  # capacity: floor + share * (unplanned - floor)
     seed: int
-    precision: str = "fp32"  # bf16: the checkpoint loaded in BF16 and its forwards under autocast (the Trainers' bf16=True, TRL's default)
+    precision: str = "fp32"  # a key of PRECISIONS
     packing: bool = False  # SFTTrainer only: TRL's padding-free packing of the texts into rows
 
 
@@ -78,8 +83,10 @@ def draw(seed: int, count: int) -> list[Case]:
         case = Case(
             rng.choice(FAMILIES), rng.choice(("sft", "hf", "loop")), rng.random() < 0.3, rng.randint(1, 4), rng.randint(8, 40),
             rng.randint(1, 3), tuple(rng.choice(STRATEGIES)), round(rng.uniform(0.15, 1.0), 3), rng.randrange(2**16),
-            rng.choice(("fp32", "bf16")),
+            rng.choice(tuple(PRECISIONS)),
         )
+        if case.precision == "mixed-fp16":
+            case = replace(case, trainer="loop")
         cases.append(replace(case, packing=case.trainer == "sft" and rng.random() < 0.4))
     return cases
 
@@ -104,9 +111,9 @@ def run(case: Case, root: Path) -> Outcome:
         save_tiny(case.family, checkpoint, num_hidden_layers=3)
     torch.manual_seed(case.seed)
     rng = random.Random(case.seed)
-    bf16 = case.precision == "bf16"
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True, dtype=torch.bfloat16 if bf16 else torch.float32)
-    cm = model_cost(model)
+    weights, autocast = PRECISIONS[case.precision]
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True, dtype=weights)
+    cm = model_cost(model, autocast={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(autocast))
     tokens = case.batch * case.length
     unplanned = cm.activation_bytes(tokens, seq_len=case.length)
     floor = cm.activation_bytes(tokens, seq_len=case.length, plan=cm.full_recompute())
@@ -136,7 +143,7 @@ def run(case: Case, root: Path) -> Outcome:
                     batch = tokenizer([next(texts) for _ in range(case.batch)], truncation=True, max_length=case.length,
                                       padding=True, return_tensors="pt")
                     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                         loss = model(**batch, labels=labels).loss
                     (loss / case.accumulation).backward()
                 optimizer.step()
@@ -145,8 +152,9 @@ def run(case: Case, root: Path) -> Outcome:
             callback = BagualuCallback(partial)
             common = dict(output_dir=str(root / "out"), per_device_train_batch_size=case.batch,
                           gradient_accumulation_steps=case.accumulation, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[],
-                          save_strategy="no", use_cpu=True, seed=case.seed, gradient_checkpointing=False, disable_tqdm=True,
-                          bf16=bf16)
+                          save_strategy="no", use_cpu=True, seed=case.seed, gradient_checkpointing=False, disable_tqdm=True)
+            if not (case.trainer == "sft" and case.precision == "mixed-bf16"):  # there SFTConfig's default, bf16=True
+                common["bf16"] = autocast is not None
             if case.trainer == "sft":
                 from trl import SFTConfig, SFTTrainer
 

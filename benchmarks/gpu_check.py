@@ -475,15 +475,16 @@ def ledger_device(ctx: Context):
 
 
 def _cost_rows(
-    ctx: Context, dtype, lora: dict | None = None, family: str = "qwen3_moe", autocast: bool = False, **config
+    ctx: Context, dtype, lora: dict | None = None, family: str = "qwen3_moe", autocast=None, **config
 ) -> tuple[str, str, bool]:
-    """`autocast`: the forwards under autocast to `dtype` (the device's own autocast policy)."""
+    """The weights in `dtype`; `autocast`: the forwards under autocast to that dtype (the device's
+    own autocast policy), None without."""
     model = tiny_model(family, dtype=dtype, attn_implementation="sdpa", **config).to(ctx.device)
     if lora is not None:  # PEFT LoRA (`lora` is its LoraConfig), injected on the device
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(**lora))
-    cm = model_cost(model, autocast=autocast)
+    cm = model_cost(model, autocast={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(autocast))
     batch, seq = 2, ctx.seq(200)  # not a multiple of 32: the memory-efficient kernel pads its log-sum-exp
     ids = ctx.ids(batch, seq, seed=6)
     errors = {}
@@ -492,7 +493,7 @@ def _cost_rows(
         for name, plan in (("keep", Plan()), ("offload", all_offload(model)), ("fp8", Plan.uniform(bgl.list_ops(model), "fp8"))):
             runtime.set_plan(plan)
             model.zero_grad(set_to_none=True)
-            with runtime.forward(), torch.autocast(ctx.device.type, dtype=dtype, enabled=autocast):
+            with runtime.forward(), torch.autocast(ctx.device.type, dtype=autocast or dtype, enabled=autocast is not None):
                 loss = model(input_ids=ids, labels=ids).loss
             ctx.settle()
             counted = runtime.ledger.live_device_bytes
@@ -528,7 +529,13 @@ def cost_lora(ctx: Context):
 @check("cost model vs ledger: bf16 autocast over bf16 weights (TRL's bf16=True), DeepSeek-V3's FP32 router, PEFT LoRA")
 def cost_autocast(ctx: Context):
     lora = dict(r=4, lora_dropout=0.1, target_modules=["q_b_proj", "kv_b_proj"])
-    return _cost_rows(ctx, torch.bfloat16, lora=lora, family="deepseek_v3", autocast=True)
+    return _cost_rows(ctx, torch.bfloat16, lora=lora, family="deepseek_v3", autocast=torch.bfloat16)
+
+
+@check("cost model vs ledger: bf16 autocast over fp32 weights (standard mixed precision), GLM-4-MoE, PEFT LoRA")
+def cost_mixed_precision(ctx: Context):
+    lora = dict(r=4, lora_dropout=0.1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    return _cost_rows(ctx, torch.float32, lora=lora, family="glm4_moe", autocast=torch.bfloat16)
 
 
 # ---------------------------------------------------------------- quantised plans

@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> None:
         max_steps=args.steps, learning_rate=args.lr, logging_steps=1, report_to=args.report_to, save_strategy="no", seed=args.seed,
         use_cpu=cpu, gradient_checkpointing=False,  # the plugin owns recompute; TRL turns this on by default
         ddp_find_unused_parameters=False, deepspeed=args.deepspeed,
-        # the checkpoint's own precision (TRL's default autocasts to bf16, whose casts of FP32 weights the
-        # cost model does not describe: the plugin would warn that they kept other bytes)
+        # the checkpoint's own precision, under every engine this script launches (DeepSpeed's and FSDP's
+        # own mixed precision are recipes of their own); TRL's default, bf16 autocast over FP32 weights, is
+        # planned exactly too
         bf16=model.dtype == torch.bfloat16,
     )
     training = SFTConfig(max_length=args.max_length, **common) if args.trainer == "sft" else TrainingArguments(**common)

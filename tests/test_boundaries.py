@@ -253,7 +253,7 @@ def test_autocast_entered_inside_the_models_forward_is_planned_for_from_the_next
     autocast around the model is seen at once; under the Trainer the callback says so from the
     first micro-batch (its accelerator's mixed precision: tests/test_exactness_sweep.py)."""
     model = tiny_model("deepseek_v3", dtype=torch.bfloat16)
-    unplanned = model_cost(model, autocast=True).activation_bytes(BATCH * SEQ, seq_len=SEQ)
+    unplanned = model_cost(model, autocast="bf16").activation_bytes(BATCH * SEQ, seq_len=SEQ)
     recipe = {"hardware": {"capacity_bytes": 10 * unplanned}, "budget": {"non_activation_bytes": 0}, "telemetry": {"enabled": False}}
     ids = _batches()[0][0]
     wrapped = model.forward
@@ -271,6 +271,6 @@ def test_autocast_entered_inside_the_models_forward_is_planned_for_from_the_next
     model(input_ids=ids, labels=ids).loss.backward()  # no autocast: a plain BF16 forward again
     events = list(prov.events)
     prov.remove()
-    assert begun == [False, True, True, True, True]  # what each was planned as
-    assert [e.kind["autocast"] for e in events] == [True, True, True, True, False]  # what each ran as, measured so
+    assert begun == [None, "bf16", "bf16", "bf16", "bf16"]  # what each was planned as
+    assert [e.kind["autocast"] for e in events] == ["bf16"] * 4 + [None]  # what each ran as, measured so
     assert not any(e.misses for e in events)

@@ -244,8 +244,15 @@ def test_readme_and_ci_agree():
         assert (ROOT / link).exists(), f"README.md links to {link}, which is not in the repository"
 
 
+@pytest.fixture
+def cpu_bf16(monkeypatch):
+    """SFTConfig's default bf16=True asks for a GPU that computes in bf16 unless use_cpu is set: the
+    examples leave it at the default a GPU user runs, and here the CPU's bf16 autocast runs them."""
+    monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)
+
+
 @pytest.mark.filterwarnings("error:bagualu:RuntimeWarning")  # no op keeps other bytes than its cost model says
-def test_the_readmes_examples_run_as_written(tmp_path):
+def test_the_readmes_examples_run_as_written(tmp_path, cpu_bf16):
     """The README's two loops, verbatim, on CPU: TRL's SFTTrainer with LoRA and the callback on a
     tiny checkpoint saved as `ckpt` beside a `corpus.txt` (the working directory is the test's
     own), and `bgl.apply` around a plain loop given its `model`, `batches` and `optimizer`."""
@@ -260,6 +267,7 @@ def test_the_readmes_examples_run_as_written(tmp_path):
     done: dict = {}
     exec(compile(trainer_example, "README.md", "exec"), done)
     assert done["callback"].provisioner.forwards > 0 and (tmp_path / "out" / "bagualu-telemetry.jsonl").read_text()
+    assert {e.kind["autocast"] for e in done["callback"].provisioner.events} == {"bf16"}  # mixed precision over the FP32 checkpoint
     torch.manual_seed(0)
     model = tiny_model("qwen3_moe").train()
     batches = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(0, 128, (2, 16)) for _ in range(3))]
@@ -356,7 +364,7 @@ def test_every_inline_block_of_the_docs_is_run_or_says_why_not():
 
 @pytest.mark.filterwarnings("error:bagualu:RuntimeWarning")
 @pytest.mark.parametrize("page, n", [key for key, given in INLINE.items() if callable(given)], ids=lambda v: str(v))
-def test_an_inline_example_of_the_docs_runs_as_written(page, n, tmp_path):
+def test_an_inline_example_of_the_docs_runs_as_written(page, n, tmp_path, cpu_bf16):
     """Each guide's inline example, verbatim, on CPU, given what its text says it takes."""
     done = INLINE[(page, n)](tmp_path)
     exec(compile(_inline(page)[n], page, "exec"), done)

@@ -1,6 +1,6 @@
 """benchmarks/exactness_sweep.py in CI: 50 cases of seed 0 (family, trainer, LoRA, batch, lengths
 and padding, accumulation, strategies, capacity between the floor and the unplanned micro-batch,
-FP32 or BF16 under autocast, TRL's packing).
+FP32, BF16 under autocast, FP32 weights under BF16 or FP16 autocast, TRL's packing).
 Each trains with its peak at or under the capacity and no out-of-memory error, or is refused
 before training with the bytes; and every micro-batch kept what its kind's cost model predicts for
 its plan and routing (no difference for `runtime.calibration` to report)."""
@@ -40,15 +40,17 @@ GRID = [
     for family in sweep.FAMILIES
     for trainer in ("sft", "hf")
     for batch, length, accumulation in ((1, 24, 2), (2, 16, 1), (4, 40, 3))  # one sequence (no padding), padded batches
-    for precision in ("fp32", "bf16")
+    for precision in ("fp32", "bf16", "mixed-bf16")
+    if precision != "mixed-bf16" or batch == 4  # standard mixed precision on the padded batches with accumulation
 ]
 
 
 @pytest.mark.parametrize("case", GRID, ids=lambda c: f"{c.family}-{c.trainer}-{c.batch}x{c.length}x{c.accumulation}-{c.precision}")
 def test_every_family_and_trainer_fits_exactly_at_a_capacity_that_forces_plans(case, root):
     """SFTTrainer and HF's Trainer on every family over one-sequence and padded batches, with and
-    without accumulation, in FP32 and as a BF16 checkpoint under bf16=True (TRL's default:
-    autocast), halfway between the floor and the unplanned micro-batch: every case fits with
+    without accumulation, in FP32, as a BF16 checkpoint under bf16=True (autocast), and as FP32
+    weights under BF16 autocast (SFTTrainer at its defaults, HF's Trainer with bf16=True), halfway
+    between the floor and the unplanned micro-batch: every case fits with
     every micro-batch keeping exactly what its kind's cost model says (recompute is allowed, so
     the floor always fits: none is refused)."""
     outcome = sweep.sweep([case], root)[0]

@@ -67,10 +67,10 @@ def test_autocast_to_the_model_dtype_is_predicted_and_exact(family, training):
     else:
         dropout, experts = (0.1, False) if "dropout" in training else (0.0, True)
         model = lora(family, dropout=dropout, experts=experts, dtype=torch.bfloat16)
-    cm, plain = model_cost(model, autocast=True), model_cost(model)
+    cm, plain = model_cost(model, autocast="bf16"), model_cost(model)
     moe = cm.moe_layers[0]
     changed = training != "full" or FAMILIES[family].router_fp32  # elsewhere autocast casts nothing: all is BF16 already
-    assert model_dims(model).autocast is False and (cm.blocks[moe] != plain.blocks[moe]) == changed
+    assert model_dims(model).autocast is None and (cm.blocks[moe] != plain.blocks[moe]) == changed
     ops = [OpId(moe, op) for op in ("attn_qkv", "router", "expert_fc1", "expert_fc2")]
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     loss0, grads0, keep = plan_step(model, ids, {}, seed=0, grads="trainable", autocast=torch.bfloat16)

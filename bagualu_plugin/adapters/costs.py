@@ -39,7 +39,7 @@ def model_cost(
     fused_head: bool = False,
     loss_divisor_bytes: int = 0,
     router_aux_loss: str = "none",
-    autocast: bool = False,
+    autocast: str | None = None,
 ) -> CostModel:
     """The analytic cost model of a supported HF model (`model_dims`) on `hardware` (a preset
     name or a spec, e.g. a recipe's `hardware`), on this rank of its expert-parallel group
@@ -48,7 +48,7 @@ def model_cost(
     TRL's fused one (`fused_head`), whose loss divides by a token count tensor of that many
     bytes (`loss_divisor_bytes`: the Trainer's `num_items_in_batch`), which add the routers'
     load-balancing loss (`router_aux_loss`, `ModelDims.router_aux_loss`), which run under autocast
-    to the model's dtype (`autocast`, `ModelDims.autocast`)."""
+    to a dtype ("bf16" or "fp16": `autocast`, `ModelDims.autocast`)."""
     group = Adapter(model).expert_group
     parallel = Parallel(ep=group.size, ep_rank=group.rank, all_to_all=True) if group else Parallel()
     dims = model_dims(model)

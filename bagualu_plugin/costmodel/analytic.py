@@ -36,7 +36,8 @@ class _Block:
 
     def __init__(self, kind: str, dims: ModelDims, par: Parallel, hw: HardwareSpec, layer: int | None = None):
         self.kind, self.dims, self.par, self.hw, self.layer = kind, dims, par, hw, layer
-        self.b = DTYPE_BYTES[dims.dtype]
+        self.b = DTYPE_BYTES[dims.dtype]  # the weights' and the residual stream's
+        self.c = DTYPE_BYTES[dims.autocast] if dims.autocast else self.b  # what a linear, a matmul and attention compute in
         self.ops: list[OpSpec] = []
         self.tensors: dict[str, dict] = {}
         self.grad: set[str] = set()  # the tensors that require grad
@@ -137,35 +138,59 @@ class _Block:
         which then keeps `inp` itself), keep the upcast and 1/rms for the input's gradient, and the
         normalised input for the weight's: cast back to the model dtype first, except in gpt-oss,
         which multiplies in FP32. Returns whether its output requires grad."""
-        normed = _F32 if self.dims.traits.norm_multiplies_fp32 else self.b
-        x32 = inp if self.b == _F32 else self.tensor(f"{prefix}.x32", op, self.tok(width), _F32)
+        given = self.tensors[inp]["dtype_bytes"]
+        normed = _F32 if self.dims.traits.norm_multiplies_fp32 else given
+        x32 = inp if given == _F32 else self.tensor(f"{prefix}.x32", op, self.tok(width), _F32)
         grad = self.requires_grad(inp)
         self.save(op, x32, self.tensor(f"{prefix}.rstd", op, self.tok(groups), _F32), when=grad)
         self.save(op, self.tensor(f"{prefix}.normed", op, self.tok(width), normed), when=self.trains)
         return grad or self.trains
 
-    def linear(self, op: str, target: str, inp: str, width: int) -> bool:
-        """The linear `target` (its name in the decoder layer) on `inp` (`width` per token), in
-        `op`. A weight that trains keeps the input for its gradient; a frozen one is itself kept
-        for the input's gradient (no activation bytes, but a save that keeps a recompute region
-        alive, `mitigation.holding_regions`). A LoRA adapter on it (PEFT's `lora.Linear`:
-        B(A(dropout(x))), x cast to the adapters' dtype first) keeps what A and B read: the input,
-        its cast, or dropout's output with, for the input's gradient, dropout's mask (its scaled
-        noise off CUDA); and A's output. DeepSpeed ZeRO-3's linear (`ModelDims.zero3_linear`) keeps
-        the input of a frozen one too, where the input requires grad. Returns whether the output
-        requires grad."""
-        self.save(op, inp, when=self.trains or (self.dims.zero3_linear and self.requires_grad(inp)))
-        if not self.trains and self.requires_grad(inp):
-            self.save(op, self.tensor(f"{target}.weight", op, LinearForm(), self.b))
+    def cast(self, op: str, name: str, inp: str) -> str:
+        """What an op that autocast casts (a linear, a matmul, attention) reads of `inp` in `op`: a
+        copy in the dtype autocast computes in, where it is on and `inp` is of another (a copy per
+        reader: autocast keeps only the casts of leaf tensors that require grad), else `inp`."""
+        t = self.tensors[inp]
+        if self.dims.autocast is None or not t["floating"] or t["dtype_bytes"] == self.c:
+            return inp
+        return self.tensor(name, op, t["elements"], self.c, grad=self.requires_grad(inp))
+
+    def normed_bytes(self, inp: str) -> int:
+        """The dtype of an RMSNorm's output on `inp`: its weight times the input in its own dtype,
+        promoted (gpt-oss casts the product back to the input's)."""
+        given = self.tensors[inp]["dtype_bytes"]
+        return given if self.dims.traits.norm_multiplies_fp32 else max(self.b, given)
+
+    def linear(self, op: str, target: str, inp: str, width: int, weight: int | None = None) -> bool:
+        """The linear `target` (its name in the decoder layer; `weight`: its elements on this
+        device, if `lora_shapes` does not name it) on `inp` (`width` per token), in `op`. A
+        weight that trains keeps the input for its gradient; a frozen one is itself kept for the
+        input's gradient (no activation bytes, but a save that keeps a recompute region alive,
+        `mitigation.holding_regions`). Under autocast to another dtype than the weights' the
+        linear runs on copies of both in that dtype, which it keeps instead. A LoRA adapter on it
+        (PEFT's `lora.Linear`: B(A(dropout(x))), x cast to the adapters' dtype first) keeps what
+        A and B read: the input, its cast, or dropout's output with, for the input's gradient,
+        dropout's mask (its scaled noise off CUDA); and A's output. DeepSpeed ZeRO-3's linear
+        (`ModelDims.zero3_linear`) keeps the input of a frozen one too, where the input requires
+        grad. Returns whether the output requires grad (the output is in `c`)."""
+        x = self.cast(op, f"{target}.x_cast", inp)
+        self.save(op, x, when=self.trains or (self.dims.zero3_linear and self.requires_grad(inp)))
+        copied = self.dims.autocast is not None and self.b != self.c  # autocast's copy of the weight
+        if (copied or not self.trains) and self.requires_grad(inp):
+            if weight is None:
+                w_in, w_out, _ = lora_shapes(self.dims)[target]
+                weight = w_in * w_out // self.par.tp
+            self.save(op, self.tensor(f"{target}.weight", op, LinearForm(const=weight) if copied else LinearForm(), self.c))
         if not self.adapts(target):
             return self.trains or self.requires_grad(inp)
         lora, rank = self.dims.lora, self.dims.lora.rank_of(target)
         ab = DTYPE_BYTES[lora.dtype]
-        # under autocast to the model dtype, A and B run in it: on a cast copy of what they read
-        # (PEFT's cast to the adapters' dtype, cast back) and of their weights
-        cast = self.dims.autocast and ab != self.b
-        rb = self.b if cast else ab  # what A reads and returns
-        x = inp if ab == self.b else self.tensor(f"{target}.lora_x", op, self.tok(width), rb)
+        # under autocast to another dtype than the adapters', A and B run in it: on a cast copy of
+        # what they read (PEFT's cast to the adapters' dtype, cast again) and of their weights
+        cast = self.dims.autocast is not None and ab != self.c
+        rb = self.c if cast else ab  # what A reads and returns
+        given = self.tensors[inp]["dtype_bytes"]
+        x = inp if given == ab and not cast else self.tensor(f"{target}.lora_x", op, self.tok(width), rb)
         if lora.dropout:
             fused = lora.device == "cuda"  # a bool mask, else the noise in the adapters' dtype
             noise = self.tensor(f"{target}.lora_mask", op, self.tok(width), 1 if fused else ab, floating=not fused)
@@ -174,8 +199,8 @@ class _Block:
         self.save(op, x, self.tensor(f"{target}.lora_a", op, self.tok(rank), rb))
         if cast:  # each kept for its input's gradient: A's only where the layer's input needs one
             w_in, w_out, _ = lora_shapes(self.dims)[target]
-            self.save(op, self.tensor(f"{target}.lora_A.cast", op, LinearForm(const=rank * w_in), self.b), when=self.requires_grad(inp))
-            self.save(op, self.tensor(f"{target}.lora_B.cast", op, LinearForm(const=rank * w_out), self.b))
+            self.save(op, self.tensor(f"{target}.lora_A.cast", op, LinearForm(const=rank * w_in), self.c), when=self.requires_grad(inp))
+            self.save(op, self.tensor(f"{target}.lora_B.cast", op, LinearForm(const=rank * w_out), self.c))
         self.add_adapter(target)
         return True
 
@@ -198,7 +223,7 @@ class _Block:
         """down(silu(gate(x)) * up(x)) of the MLP `prefix`: x for the weights' gradients, SiLU's
         input, each factor of the product for the other's gradient, the product for down's.
         Returns whether the output requires grad."""
-        h, b = self.dims.hidden_size, self.b
+        h, b = self.dims.hidden_size, self.c
         gate = self.linear(op, f"{prefix}.gate_proj", inp, h)
         up = self.linear(op, f"{prefix}.up_proj", inp, h)
         self.save(op, self.tensor(f"{op}.gate", op, self.tok(inter), b), when=gate)
@@ -211,7 +236,7 @@ class _Block:
 
 def _norm_op(blk: _Block, op: str, inp: str, out: str) -> None:
     h = blk.dims.hidden_size
-    blk.tensor(out, op, blk.tok(h), blk.b, grad=blk.rmsnorm(op, op, inp, h))
+    blk.tensor(out, op, blk.tok(h), blk.normed_bytes(inp), grad=blk.rmsnorm(op, op, inp, h))
     blk.op(op, (inp,), blk.tok(4 * h), blk.tok((2 * blk.b + 2 * _F32) * h), kernels=6)
     blk.dense_params += h
 
@@ -227,7 +252,7 @@ def _attention(blk: _Block, inp: str) -> str:
     backward is one kernel, which keeps all of it as soon as one of q, k, v requires grad; eager
     attention's products keep each factor only for the other's gradient.
     """
-    d, b = blk.dims, blk.b
+    d, b, c = blk.dims, blk.b, blk.c
     h, nh, nkv, hd = d.hidden_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim
     _norm_op(blk, "attn_norm", inp, "attn_norm.out")
 
@@ -239,7 +264,7 @@ def _attention(blk: _Block, inp: str) -> str:
         grads = {"q": proj("q_proj"), "k": proj("k_proj"), "v": proj("v_proj")}
         if d.qk_norm:  # per-head RMSNorm on q and k after their projections
             for name, w in (("q", q_w), ("k", k_w)):
-                raw = blk.tensor(f"attn_qkv.{name}_raw", "attn_qkv", blk.tok(w), b, grad=grads[name])
+                raw = blk.tensor(f"attn_qkv.{name}_raw", "attn_qkv", blk.tok(w), c, grad=grads[name])
                 grads[name] = blk.rmsnorm("attn_qkv", f"attn_qkv.{name}_norm", raw, w, groups=w // hd)
         q_grad, k_grad, v_grad = grads.values()
         rope_grad = q_grad or k_grad
@@ -252,9 +277,10 @@ def _attention(blk: _Block, inp: str) -> str:
 
         def latent(name: str, rank: int, raw_width: int, down: str, up: str) -> bool:
             """The low-rank latent, RMS-normalised before its up-projection."""
-            raw = blk.tensor(f"attn_qkv.{name}_out", "attn_qkv", blk.tok(raw_width), b, grad=proj(down))
+            raw = blk.tensor(f"attn_qkv.{name}_out", "attn_qkv", blk.tok(raw_width), c, grad=proj(down))
             normed = blk.rmsnorm("attn_qkv", f"attn_qkv.{name}_norm", raw, rank)
-            return proj(up, blk.tensor(f"attn_qkv.{name}_normed_out", "attn_qkv", blk.tok(rank), b, grad=normed), rank)
+            out = blk.tensor(f"attn_qkv.{name}_normed_out", "attn_qkv", blk.tok(rank), blk.normed_bytes(raw), grad=normed)
+            return proj(up, out, rank)
 
         q_grad = latent("q_a", m.q_lora_rank, m.q_lora_rank, "q_a_proj", "q_b_proj") if m.q_lora_rank else proj("q_proj")
         v_grad = latent("kv_a", m.kv_lora_rank, m.kv_lora_rank + m.qk_rope_head_dim, "kv_a_proj_with_mqa", "kv_b_proj")
@@ -265,11 +291,13 @@ def _attention(blk: _Block, inp: str) -> str:
         proj_flops = q_flops + kv_flops
         # q is assembled with cat before kv_b_proj; k after it (in attn_core); v is a view of
         # kv_b_proj's output, which a fused kernel keeps whole (nope and v columns)
-        blk.tensor("attn_qkv.kv_b_out", "attn_qkv", blk.tok(nh * (m.qk_nope_head_dim + m.v_head_dim)), b)
+        blk.tensor("attn_qkv.kv_b_out", "attn_qkv", blk.tok(nh * (m.qk_nope_head_dim + m.v_head_dim)), c)
         core_q, core_k = "attn_qkv", "attn_core"
     blk.keeps_rope = rope_grad  # RoPE's products keep the tables for q's and k's gradients
-    for name, w, grad in (("q_in", q_w, q_grad), ("k_in", k_w, k_grad), ("v_in", v_w, v_grad)):
-        blk.tensor(name, "attn_qkv", blk.tok(w), b, grad=grad)  # what the projections hand to attention's core
+    # what the projections hand to attention's core: q and k rotated with the residual stream's
+    # tables (in its dtype), v as its projection made it
+    for name, w, grad, size in (("q_in", q_w, q_grad, b), ("k_in", k_w, k_grad, b), ("v_in", v_w, v_grad, c)):
+        blk.tensor(name, "attn_qkv", blk.tok(w), size, grad=grad)
     blk.op(
         "attn_qkv",
         ("attn_norm.out",),
@@ -284,31 +312,35 @@ def _attention(blk: _Block, inp: str) -> str:
     repeat = d.mla is None and nkv != nh and d.attention != "sdpa"
     sdpa, masked = d.attention != "eager", d.attention == "sdpa_masked"
     any_grad, scores_grad = q_grad or k_grad or v_grad, q_grad or k_grad
-    blk.save("attn_core", blk.tensor("attn_core.q", core_q, blk.tok(q_w), b), when=any_grad if sdpa else k_grad)
-    blk.save("attn_core", blk.tensor("attn_core.k", core_k, blk.tok(nh * hd if repeat else k_w), b), when=any_grad if sdpa else q_grad)
+    # autocast to another dtype than the stream's casts q and k in attention's core
+    core_q = "attn_core" if b != c else core_q
+    blk.save("attn_core", blk.tensor("attn_core.q", core_q, blk.tok(q_w), c), when=any_grad if sdpa else k_grad)
+    blk.save("attn_core", blk.tensor("attn_core.k", core_k, blk.tok(nh * hd if repeat else k_w), c), when=any_grad if sdpa else q_grad)
     if d.mla is not None and sdpa:
         blk.save("attn_core", "attn_qkv.kv_b_out", when=any_grad)
     else:  # a contiguous v; eager MLA keeps the whole key/value projection for one sequence
         v = blk.tok(nh * hd if repeat else v_w)
         if d.mla is not None:
             v += LinearForm(per_single_token=nh * d.mla.qk_nope_head_dim / blk.par.tp)
-        blk.save("attn_core", blk.tensor("attn_core.v", "attn_core", v, b), when=any_grad if sdpa else scores_grad)
+        blk.save("attn_core", blk.tensor("attn_core.v", "attn_core", v, c), when=any_grad if sdpa else scores_grad)
     copy_ctx = d.partial_rotary or d.mla is not None
     if sdpa:
         blk.save("attn_core", blk.tensor("attn_core.lse", "attn_core", blk.tok(nh), _F32), when=any_grad)
-        blk.save("attn_core", blk.tensor("attn_core.mask", "attn_core", LinearForm(per_score=1), b), when=masked and any_grad)
+        blk.save("attn_core", blk.tensor("attn_core.mask", "attn_core", LinearForm(per_score=1), c), when=masked and any_grad)
         if copy_ctx:
-            blk.save("attn_core", blk.tensor("attn_core.out", "attn_core", blk.tok(ctx_w), b), when=any_grad)
+            blk.save("attn_core", blk.tensor("attn_core.out", "attn_core", blk.tok(ctx_w), c), when=any_grad)
     elif sinks:  # softmax in the model dtype over L + 1 columns, after subtracting the row max
         probs = blk.tensor("attn_core.probs", "attn_core", blk.score(nh) + blk.tok(nh), b)
         blk.save("attn_core", probs, when=any_grad)  # softmax's output, and the scores' view of it v's gradient reads
+        if c != b:  # under autocast to another dtype the product with v reads a copy of that view
+            blk.save("attn_core", blk.tensor("attn_core.probs_cast", "attn_core", blk.score(nh), c), when=v_grad)
         blk.save("attn_core", blk.tensor("attn_core.max_index", "attn_core", blk.tok(nh), _I64, floating=False), when=scores_grad)
-    else:  # softmax in FP32, cast back to the model dtype for the product with v
+    else:  # softmax in FP32, cast back to q's dtype, and to autocast's for the product with v
         probs32 = blk.tensor("attn_core.probs32", "attn_core", blk.score(nh), _F32)
-        blk.save("attn_core", probs32, when=scores_grad or (v_grad and b == _F32))
-        if b != _F32:
-            blk.save("attn_core", blk.tensor("attn_core.probs", "attn_core", blk.score(nh), b), when=v_grad)
-    blk.tensor("ctx", "attn_core", blk.tok(ctx_w), b, grad=any_grad)
+        blk.save("attn_core", probs32, when=scores_grad or (v_grad and c == _F32))
+        if c != _F32:
+            blk.save("attn_core", blk.tensor("attn_core.probs", "attn_core", blk.score(nh), c), when=v_grad)
+    blk.tensor("ctx", "attn_core", blk.tok(ctx_w), c, grad=any_grad)
     blk.save("attn_core", "ctx", when=sdpa and not copy_ctx and any_grad)
     qk_dim = q_w // nh
     blk.op(
@@ -337,24 +369,30 @@ def _router(blk: _Block, h_in: str) -> str:
     softmax output it keeps. The input is kept for the router's weight, the rest for the input's
     gradient.
     """
-    d, b = blk.dims, blk.b
+    d, b, c = blk.dims, blk.b, blk.c
     h, E, k = d.hidden_size, d.num_experts, d.top_k
-    fp32 = d.traits.router_fp32 and b != _F32
-    # an FP32 router computes in FP32; under autocast to the model dtype its linear runs in that
-    # dtype again, on cast copies of its input and weight, and what follows it too
-    r = b if fp32 and d.autocast else _F32
-    x = blk.tensor("router.x32", "router", blk.tok(h), r) if fp32 else h_in
+    fp32 = d.traits.router_fp32
+    given = blk.tensors[h_in]["dtype_bytes"]
+    # an FP32 router (its weight kept FP32) computes in FP32 on an FP32 copy of its input; under
+    # autocast to another dtype its linear runs in that dtype, on copies of its input and weight,
+    # and so do the scores of a sigmoid router
+    read = _F32 if fp32 else given  # the input the router's linear is given
+    logits = c if d.autocast else read
+    r = logits if fp32 else _F32  # the scores: a sigmoid's of the logits, else a softmax's in FP32
+    copied = (fp32 and given != _F32) or logits != read  # the router's input is a tensor of its own
+    x = blk.tensor("router.x32", "router", blk.tok(h), logits) if copied else h_in
     target = f"mlp.{d.traits.router}.weight"
     adapted = blk.adapts(target)  # PEFT's ParamWrapper: W + scale B A, made in the router and kept for the input's gradient
     blk.save("router", x, when=blk.trains or adapted or (d.zero3_linear and blk.requires_grad(h_in)))  # F.linear, as linear()
-    if adapted or (fp32 and d.autocast):  # the weight a linear reads is a tensor of its own
-        weight = blk.tensor("router.weight", "router", LinearForm(const=E * h), r if fp32 else b)
+    weight_bytes = _F32 if fp32 else b
+    if adapted or logits != weight_bytes:  # the weight a linear reads is a tensor of its own
+        weight = blk.tensor("router.weight", "router", LinearForm(const=E * h), logits)
         blk.save("router", weight, when=blk.requires_grad(h_in))
     if adapted:
         ab = DTYPE_BYTES[d.lora.dtype]
         # B A of copies, each kept for the other: FP32 ones on CPU of lower-precision adapters, and
         # under autocast to the model dtype the casts of FP32 adapters to it
-        copies = _F32 if d.lora.device == "cpu" and ab < _F32 else b if d.autocast and ab != b else None
+        copies = _F32 if d.lora.device == "cpu" and ab < _F32 else c if d.autocast and ab != c else None
         if copies is not None:
             rank = d.lora.rank_of(target)
             for side, w in (("in", h), ("out", E)):
@@ -362,7 +400,7 @@ def _router(blk: _Block, h_in: str) -> str:
         blk.add_adapter(target, expert=True)
     grad = blk.trains or adapted or blk.requires_grad(h_in)
     if d.traits.router_topk_softmax:
-        blk.save("router", blk.tensor("router.topk_softmax", "router", blk.tok(k), b, grad=grad), when=grad)
+        blk.save("router", blk.tensor("router.topk_softmax", "router", blk.tok(k), logits, grad=grad), when=grad)
     else:
         blk.save("router", blk.tensor("router.scores", "router", blk.tok(E), r), when=grad)
     blk.save("router", blk.tensor("router.topk_index", "router", blk.tok(k), _I64, floating=False), when=grad)
@@ -373,7 +411,7 @@ def _router(blk: _Block, h_in: str) -> str:
     blk.expert_params += E * h + (E if d.traits.expert_bias else 0)
     if d.traits.router_topk_softmax:
         return "router.topk_softmax"
-    return blk.tensor("topk_weights", "router", blk.tok(k), r if d.traits.routing_weights_fp32 else b, grad=grad)
+    return blk.tensor("topk_weights", "router", blk.tok(k), r if d.traits.routing_weights_fp32 else logits, grad=grad)
 
 
 def _moe(blk: _Block, h_in: str) -> None:
@@ -483,13 +521,13 @@ def _dispatch(blk: _Block, h_in: str, weights: str, width: int) -> tuple[str, st
 def _shared_expert(blk: _Block, h_in: str) -> None:
     """The shared expert: a gated MLP on every token; Qwen2-MoE scales it by sigmoid(gate(x)),
     whose output the sigmoid and the product keep, and the product the expert's output."""
-    d, b, h = blk.dims, blk.b, blk.dims.hidden_size
+    d, b, c, h = blk.dims, blk.b, blk.c, blk.dims.hidden_size
     si, names = d.shared_expert_intermediate_size, d.traits.shared
     out = blk.gated_mlp("shared_expert", f"mlp.{names[0]}", h_in, si)
     if d.traits.shared_expert_gated:
         gate = blk.linear("shared_expert", f"mlp.{names[1]}", h_in, h)
-        blk.save("shared_expert", blk.tensor("shared_expert.gate_sig", "shared_expert", blk.tok(1), b), when=gate or out)
-        blk.save("shared_expert", blk.tensor("shared_expert.out", "shared_expert", blk.tok(h), b), when=gate)
+        blk.save("shared_expert", blk.tensor("shared_expert.gate_sig", "shared_expert", blk.tok(1), c), when=gate or out)
+        blk.save("shared_expert", blk.tensor("shared_expert.out", "shared_expert", blk.tok(h), c), when=gate)
         blk.dense_params += h
     blk.op(
         "shared_expert",
@@ -583,8 +621,8 @@ def lm_head(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
     _router_aux_loss(blk)
     if dims.lm_head == "trl_fused":
         return _trl_fused_head(blk)
-    blk.linear("lm_head", "lm_head", "final_norm.out", h)
-    blk.tensor("logits", "lm_head", blk.tok(v), blk.b)
+    blk.linear("lm_head", "lm_head", "final_norm.out", h, weight=v * h // par.tp)
+    blk.tensor("logits", "lm_head", blk.tok(v), blk.c)
     weights = LinearForm(const=h * v * blk.b / par.tp)
     blk.op("lm_head", ("final_norm.out",), blk.tok(2 * h * v), weights + blk.tok((h + v) * blk.b), kernels=2)
     blk.tensor("labels", INPUT, LinearForm(per_token=1), _I64, floating=False)  # the caller's, as collators copy them
@@ -647,7 +685,7 @@ def _router_aux_loss(blk: _Block) -> None:
         return
     e, moe = d.num_experts, d.num_layers - d.first_k_dense
     blk.transient = LinearForm(per_token=moe * d.top_k * _I64)
-    tensors = [("probs", LinearForm(per_token=e * moe), blk.b), ("tokens_per_expert", LinearForm(const=e), _F32)]
+    tensors = [("probs", LinearForm(per_token=e * moe), blk.c), ("tokens_per_expert", LinearForm(const=e), _F32)]
     if d.router_aux_loss == "attention_mask":
         tensors += [("mask", LinearForm(per_token=1), _F32), ("rows", LinearForm(const=1), _F32)]
     for name, elements, size in tensors:

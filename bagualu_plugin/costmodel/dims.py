@@ -113,11 +113,11 @@ class ModelDims(_Strict):
         description="the load-balancing loss over every MoE layer's router logits (output_router_logits, as TRL asks "
         "for): none, over all tokens, or weighted by a given attention mask",
     )
-    autocast: bool = Field(
-        default=False,
-        description="the forward runs under autocast to the model's own dtype (the Trainer's bf16=True over a bf16 "
-        "checkpoint, TRL's default): a linear on FP32 operands (an FP32 router, PEFT's FP32 adapters) computes in the "
-        "model dtype on cast copies",
+    autocast: Literal["bf16", "fp16"] | None = Field(
+        default=None,
+        description="the dtype the forward's autocast computes in (the Trainer's bf16=True or fp16=True, TRL's default "
+        "bf16=True), None without autocast: a linear, a matmul or attention on operands of another dtype (FP32 "
+        "weights, an FP32 router, PEFT's FP32 adapters) computes on cast copies of them, which it keeps",
     )
     lm_head: Literal["hf", "trl_fused"] = Field(
         default="hf",
@@ -134,7 +134,11 @@ class ModelDims(_Strict):
     def _consistent(self) -> ModelDims:
         checks = [
             (self.top_k > self.num_experts, "top_k", f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})"),
-            (self.autocast and self.dtype == "fp32", "autocast", "autocast to the model's own dtype needs dtype bf16 or fp16, got fp32"),
+            (
+                self.autocast is not None and self.dtype != "fp32" and self.autocast != self.dtype,
+                "autocast",
+                f"autocast to {self.autocast} over {self.dtype} weights is not modelled; expected {self.dtype} or FP32 weights",
+            ),
             (
                 self.num_attention_heads % self.num_key_value_heads,
                 "num_key_value_heads",

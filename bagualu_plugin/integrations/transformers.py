@@ -29,11 +29,12 @@ import inspect
 from contextlib import ExitStack
 
 from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from ..adapters import Adapter
-from ..adapters.costs import DTYPES, model_cost
+from ..adapters.costs import model_cost
 from ..costmodel import CostModel
 from ..derive import PartialRecipe, derive_recipe
 from ..runtime.boundaries import ForwardKind
@@ -83,7 +84,7 @@ class BagualuCallback(TrainerCallback):
         _log_first(self)  # added after the Trainer's init
         accelerator = _accelerator_state()
         planned = self.cost is None  # a given cost model describes plain forwards only
-        kind = ForwardKind(fused_head=planned and _fused_head(model), autocast=planned and _autocast(model, accelerator))
+        kind = ForwardKind(fused_head=planned and _fused_head(model), autocast=_autocast(accelerator) if planned else None)
         budget = trainer_budget(args, accelerator, model)
         recipe = derive_recipe(model, self.recipe, training_args=args, budget=budget).with_output_dir(args.output_dir or ".")
         self.provisioner = Provisioner(model, recipe, self.cost, kind)
@@ -178,12 +179,17 @@ def _accelerator_state() -> AcceleratorState | None:
     return AcceleratorState() if AcceleratorState._shared_state else None
 
 
-def _autocast(model, accelerator: AcceleratorState | None) -> bool:
-    """Whether the Trainer runs each forward under autocast to the model's own dtype (bf16=True
-    over a BF16 checkpoint, TRL's default): accelerate enters it inside the model's forward,
-    where no pre-hook of the model sees it."""
-    precision = getattr(accelerator, "mixed_precision", "no") if accelerator is not None else "no"
-    return DTYPES.get(next(Adapter(model).decoder.parameters()).dtype) == str(precision)  # "no" for FP32
+def _autocast(accelerator: AcceleratorState | None) -> str | None:
+    """The dtype of the autocast the Trainer runs each forward under (bf16=True, TRL's default, or
+    fp16=True), as accelerate decides it: accelerate enters it inside the model's forward, where no
+    pre-hook of the model sees it. None without mixed precision, and where accelerate runs none:
+    under DeepSpeed or Megatron-LM (which cast the model themselves), and FP16 on a CPU."""
+    if accelerator is None or accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        return None
+    precision = str(accelerator.mixed_precision)
+    if precision == "fp16" and accelerator.device.type == "cpu":
+        return None
+    return precision if precision in ("bf16", "fp16") else None
 
 
 def _fused_head(model) -> bool:

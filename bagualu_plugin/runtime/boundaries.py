@@ -18,7 +18,6 @@ micro-batch abandons it (`Provisioner.abandon`) and begins a new optimizer step.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, NamedTuple
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 from ..adapters import is_inside_backward
+from ..adapters.costs import DTYPES
 from .ledger import _storage
 
 if TYPE_CHECKING:
@@ -34,10 +34,10 @@ if TYPE_CHECKING:
 
 
 class Boundaries:
-    def __init__(self, provisioner: Provisioner, autocast: bool = False):
-        """`autocast`: the model's forward enters autocast to its weights' dtype itself (accelerate's
-        wrapper, for the Trainer's bf16=True), which its pre-hooks cannot see; else learnt at the
-        first forward's decoder."""
+    def __init__(self, provisioner: Provisioner, autocast: str | None = None):
+        """`autocast`: the dtype of the autocast the model's forward enters itself (accelerate's
+        wrapper, for the Trainer's bf16=True or fp16=True), which its pre-hooks cannot see; else
+        learnt at the first forward's decoder."""
         self._prov = provisioner
         model = provisioner.runtime.adapter.model
         self.index = 0  # the next micro-batch of the optimizer step: 0 .. pipeline.micro_batches - 1
@@ -52,20 +52,19 @@ class Boundaries:
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
             provisioner.runtime.adapter.decoder.register_forward_pre_hook(self._autocast),  # inside an autocast wrapper
         ]
-        self._warned = False
-        self._inner = autocast  # autocast to the weights' dtype entered inside the model's forward
+        self._inner = autocast  # the autocast entered inside the model's forward
         self._outside = False  # whether the running forward's kind saw autocast on already
 
     def _kind(self, kwargs: dict) -> ForwardKind:
-        """`forward_kind(kwargs)`, run under autocast to the weights' dtype where it is on now or
-        the model's forward enters it."""
-        device = self._prov.ledger.device.type
-        self._outside = torch.is_autocast_enabled(device)
-        autocast = torch.get_autocast_dtype(device) == self._weights() if self._outside else self._inner
-        return forward_kind(kwargs)._replace(autocast=autocast)
+        """`forward_kind(kwargs)`, run under the autocast that is on now or that the model's
+        forward enters."""
+        self._outside = torch.is_autocast_enabled(self._prov.ledger.device.type)
+        return forward_kind(kwargs)._replace(autocast=self._running() if self._outside else self._inner)
 
-    def _weights(self) -> torch.dtype:
-        return next(self._prov.runtime.adapter.decoder.parameters()).dtype
+    def _running(self) -> str | None:
+        """The dtype autocast computes in on the Ledger's device now (None: off)."""
+        device = self._prov.ledger.device.type
+        return autocast_dtype(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
 
     def _before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         self._depth += 1
@@ -81,30 +80,17 @@ class Boundaries:
 
     def _autocast(self, decoder: nn.Module, args: tuple) -> None:
         """At the decoder, inside whatever wraps the model's forward, before anything is saved:
-        autocast entered there (by accelerate, for the Trainer's bf16=True) or no longer entered
-        corrects the running forward's kind (`Provisioner._rekind`) and is expected of the next.
-        Mixed precision that casts the weights (autocast to bf16 over an FP32 model) keeps a
-        low-precision copy of every weight and of every linear's input for backward, which the
-        cost model does not describe: said once, with the way out."""
+        autocast entered there (by accelerate, for the Trainer's bf16=True or fp16=True) or no
+        longer entered corrects the running forward's kind (`Provisioner._rekind`) and is
+        expected of the next."""
         f = self._prov._forward
         if f is None:
             return
-        device, weight = self._prov.ledger.device.type, self._weights()
-        enabled = torch.is_autocast_enabled(device)
-        same = enabled and torch.get_autocast_dtype(device) == weight
+        now = self._running()
         if not self._outside:
-            self._inner = same
-        if f.kind.autocast != same:
-            self._prov._rekind(f.kind._replace(autocast=same))
-        if enabled and not self._warned and torch.get_autocast_dtype(device) != weight:
-            self._warned = True
-            warnings.warn(
-                f"the forward runs under autocast to {torch.get_autocast_dtype(device)} over {weight} weights (mixed "
-                "precision, e.g. the Trainer's or TRL's bf16=True): autocast keeps cast copies of the weights and of "
-                "every linear's input for backward, which bgl.apply's cost model does not describe, so its plans may "
-                "miss them; load the model in that dtype (from_pretrained(..., dtype=torch.bfloat16)) or pass bf16=False",
-                RuntimeWarning, stacklevel=2,
-            )
+            self._inner = now
+        if f.kind.autocast != now:
+            self._prov._rekind(f.kind._replace(autocast=now))
 
     def _after(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:
         self._depth -= 1
@@ -216,14 +202,24 @@ class ForwardKind(NamedTuple):
     """How a micro-batch's forward runs, where that changes what it keeps: its attention given a
     mask (SDPA then keeps it, and repeats keys and values under grouped-query attention), its
     head TRL's fused one (no logits), the token count its loss divides by, the routers'
-    load-balancing loss, autocast to the weights' own dtype (FP32 routers and PEFT's FP32
-    adapters then compute in it). Each kind has its own cost model (`adapters.costs.model_cost`)."""
+    load-balancing loss, the dtype of the autocast it runs under ("bf16" or "fp16": linears,
+    matmuls and attention then compute on copies in it of whatever operands are in another
+    dtype, the weights' included, and keep those). Each kind has its own cost model
+    (`adapters.costs.model_cost`)."""
 
     masked: bool = False
     fused_head: bool = False
     loss_divisor_bytes: int = 0
     router_aux_loss: str = "none"
-    autocast: bool = False
+    autocast: str | None = None
+
+
+def autocast_dtype(dtype: torch.dtype) -> str:
+    """The cost model's name of an autocast dtype; another is an error naming the supported."""
+    name = DTYPES.get(dtype)
+    if name not in ("bf16", "fp16"):
+        raise ValueError(f"autocast to {dtype} is not modelled; expected torch.bfloat16 or torch.float16")
+    return name
 
 
 def forward_kind(kwargs: dict) -> ForwardKind:

@@ -4,7 +4,8 @@ replace them (`runtime.chunked_loss`).
 
 HF computes the loss inside the CausalLM's forward, from logits it has already made. While the
 runner is needed and labels are given, a forward pre-hook passes `logits_to_keep` as an empty
-index, so HF's forward projects no position; the final norm's output is taken as it leaves the
+index, so HF's forward projects no position (outside autocast: autocast would keep a low-precision
+copy of the weight for that empty product); the final norm's output is taken as it leaves the
 norm, and the model's `loss_function` is replaced by one that runs
 `loss_function(lm_head(hidden), labels, ...)` (or the chunked loss) through the runtime's
 recompute region. The returned `logits` are then empty (batch x 0 x vocabulary), as with
@@ -73,6 +74,15 @@ def install_loss_runner(adapter: Adapter, needed: Callable[[], bool], region: Re
     def disarm(*_):
         state["armed"], state["hidden"] = False, None
 
+    empty = ExitStack()  # the empty projection's autocast, off
+
+    def uncast(_module, args):
+        if state["armed"] and args and args[0].shape[-2] == 0:
+            empty.enter_context(torch.autocast(args[0].device.type, enabled=False))
+
+    def recast(*_):
+        empty.close()
+
     vocab_size = adapter.config.vocab_size
 
     def head_and_loss(h, y, **kw):
@@ -107,3 +117,5 @@ def install_loss_runner(adapter: Adapter, needed: Callable[[], bool], region: Re
     stack.callback(model.register_forward_pre_hook(arm, with_kwargs=True).remove)
     stack.callback(model.register_forward_hook(disarm).remove)
     stack.callback(adapter.decoder.norm.register_forward_hook(take_hidden).remove)
+    stack.callback(lm_head.register_forward_pre_hook(uncast).remove)
+    stack.callback(lm_head.register_forward_hook(recast, always_call=True).remove)
