@@ -175,7 +175,7 @@ class _Block:
         grad. Returns whether the output requires grad (the output is in `c`)."""
         x = self.cast(op, f"{target}.x_cast", inp)
         self.save(op, x, when=self.trains or (self.dims.zero3_linear and self.requires_grad(inp)))
-        copied = self.dims.autocast is not None and self.b != self.c  # autocast's copy of the weight
+        copied = self.b != self.c  # autocast's copy of the weight
         if (copied or not self.trains) and self.requires_grad(inp):
             if weight is None:
                 w_in, w_out, _ = lora_shapes(self.dims)[target]

@@ -163,8 +163,10 @@ def _cause(procs: list, out: dict, failed: dict[int, tuple[float, str]], faults:
     for r in _dead(procs, out, failed):
         code = procs[r].exitcode
         lines.append(f"rank {r} exited with code {code}{f' ({signal.Signals(-code).name})' if code < 0 else ''} before reporting")
-        with open(os.path.join(faults, f"rank{r}.txt")) as stacks:
-            lines.extend(line.rstrip() for line in stacks if line.strip())
+        path = os.path.join(faults, f"rank{r}.txt")  # absent where the rank died before it ran
+        if os.path.exists(path):
+            with open(path) as stacks:
+                lines.extend(line.rstrip() for line in stacks if line.strip())
     for r, (_, what) in sorted(failed.items(), key=lambda item: item[1][0]):
         lines.append(f"rank {r} failed: {what}" if not lines else f"then rank {r} failed: {what.splitlines()[0]}")
     return "\n".join(lines)
