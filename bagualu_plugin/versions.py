@@ -13,8 +13,8 @@ from importlib.metadata import PackageNotFoundError, version
 from packaging.version import Version
 
 TESTED: dict[str, tuple[str, str]] = {
-    "torch": ("2.13.0", "2.13.0"),
-    "transformers": ("5.24.0", "5.25.0"),
+    "torch": ("2.11.0", "2.15.0"),
+    "transformers": ("5.17.0", "5.25.0"),
     "trl": ("1.16.0", "1.16.0"),
     "peft": ("0.21.0", "0.21.2"),
     "accelerate": ("1.10.1", "1.16.0"),

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import hashlib
 import io
 import logging
 import os
@@ -59,10 +61,11 @@ class Case:
     length: int  # the longest text, in tokens (SFT's max_length; truncation elsewhere)
     accumulation: int
     strategies: tuple[str, ...]
-    share: float  # capacity: floor + share * (unplanned - floor)
+    share: float  # capacity: floor + share * (unplanned - floor), of the model as loaded (before LoRA)
     seed: int
     precision: str = "fp32"  # a key of PRECISIONS
     packing: bool = False  # SFTTrainer only: TRL's padding-free packing of the texts into rows
+    fraction: float | None = None  # capacity: this fraction of the unplanned micro-batch of the model that trains instead
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Outcome:
     mitigated: int = 0  # micro-batches whose plan mitigated something
     peak: int = 0
     capacity: int = 0
+    digest: str = ""  # the trained weights' bytes (sha256), to compare runs bitwise
 
 
 def draw(seed: int, count: int) -> list[Case]:
@@ -95,8 +99,9 @@ def _texts(rng: random.Random, count: int = 24) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 60))) for _ in range(count)]
 
 
-def run(case: Case, root: Path) -> Outcome:
-    """Train one case for two optimizer steps; its outcome."""
+def run(case: Case, root: Path, plugin: bool = True) -> Outcome:
+    """Train one case for two optimizer steps; its outcome (`plugin=False`: the same training
+    without the plugin, for its digest)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
@@ -113,29 +118,30 @@ def run(case: Case, root: Path) -> Outcome:
     rng = random.Random(case.seed)
     weights, autocast = PRECISIONS[case.precision]
     model = AutoModelForCausalLM.from_pretrained(checkpoint, local_files_only=True, dtype=weights)
-    cm = model_cost(model, autocast={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(autocast))
+    peft = None
+    if case.lora:
+        from peft import LoraConfig, get_peft_model
+
+        peft = LoraConfig(r=4, lora_alpha=8, target_modules=LORA.get(case.family, ["q_proj", "v_proj"]))
+    # `fraction` is of the model that trains, LoRA included; `share` of the model as loaded
+    priced = model if peft is None or case.fraction is None else get_peft_model(copy.deepcopy(model), peft)
+    cm = model_cost(priced, autocast={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(autocast))
     tokens = case.batch * case.length
     unplanned = cm.activation_bytes(tokens, seq_len=case.length)
     floor = cm.activation_bytes(tokens, seq_len=case.length, plan=cm.full_recompute())
-    capacity = int(floor + case.share * (unplanned - floor))
+    capacity = int(case.fraction * unplanned if case.fraction is not None else floor + case.share * (unplanned - floor))
     partial = {"hardware": {"capacity_bytes": capacity}, "budget": {"non_activation_bytes": 0},
                "strategies": {"allowed": list(case.strategies)}}
     tokenizer = tiny_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
-    peft = None
-    if case.lora:
-        from peft import LoraConfig
-
-        peft = LoraConfig(r=4, lora_alpha=8, target_modules=LORA.get(case.family, ["q_proj", "v_proj"]))
     dataset = Dataset.from_dict({"text": _texts(rng)})
     prov = None
     try:
         if case.trainer == "loop":
             if peft is not None:
-                from peft import get_peft_model
-
                 model = get_peft_model(model, peft)
-            prov = bgl.apply(model, {**partial, "pipeline": {"micro_batches": case.accumulation}})
+            if plugin:
+                prov = bgl.apply(model, {**partial, "pipeline": {"micro_batches": case.accumulation}})
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
             texts = iter(_texts(rng, 2 * case.accumulation * case.batch))
             for _ in range(2):
@@ -150,6 +156,7 @@ def run(case: Case, root: Path) -> Outcome:
                 optimizer.zero_grad()
         else:
             callback = BagualuCallback(partial)
+            callbacks = [callback] if plugin else []
             common = dict(output_dir=str(root / "out"), per_device_train_batch_size=case.batch,
                           gradient_accumulation_steps=case.accumulation, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[],
                           save_strategy="no", use_cpu=True, seed=case.seed, gradient_checkpointing=False, disable_tqdm=True)
@@ -160,19 +167,18 @@ def run(case: Case, root: Path) -> Outcome:
 
                 config = SFTConfig(max_length=case.length, packing=case.packing, **common)
                 trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer, peft_config=peft,
-                                     callbacks=[callback])
+                                     callbacks=callbacks)
             else:
                 if peft is not None:
-                    from peft import get_peft_model
-
                     model = get_peft_model(model, peft)
                 tokenized = dataset.map(lambda row: tokenizer(row["text"], truncation=True, max_length=case.length),
                                         remove_columns=["text"])
                 trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=tokenized, processing_class=tokenizer,
-                                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), callbacks=[callback])
+                                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), callbacks=callbacks)
             with contextlib.redirect_stdout(io.StringIO()):
                 trainer.train()
-            prov = callback.provisioner
+            prov = callback.provisioner if plugin else None
+            model = trainer.model
     except SimulatedOutOfMemoryError as error:
         return Outcome(case, "out_of_memory", str(error)[:300], capacity=capacity)
     except ValueError as error:
@@ -182,10 +188,13 @@ def run(case: Case, root: Path) -> Outcome:
     finally:
         if prov is not None and case.trainer == "loop":
             prov.remove()
+    digest = _digest(model)
+    if prov is None:
+        return Outcome(case, "fits", capacity=capacity, digest=digest)
     events = list(prov.events)
     missed = [(e.micro_batch, [asdict(m) for m in e.misses]) for e in events if e.misses]
     outcome = Outcome(case, "fits", micro_batches=len(events), mitigated=sum(bool(e.plan) for e in events),
-                      peak=prov.peak_device_bytes, capacity=capacity)
+                      peak=prov.peak_device_bytes, capacity=capacity, digest=digest)
     if prov.peak_device_bytes > capacity:
         outcome.result, outcome.detail = "out_of_memory", f"peak {prov.peak_device_bytes} over {capacity}"
     elif any(e.spilled_bytes for e in events):
@@ -195,14 +204,23 @@ def run(case: Case, root: Path) -> Outcome:
     return outcome
 
 
-def sweep(cases: list[Case], root: Path) -> list[Outcome]:
+def _digest(model: torch.nn.Module) -> str:
+    """sha256 of the trainable weights' bytes, in order."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        if p.requires_grad:
+            digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def sweep(cases: list[Case], root: Path, plugin: bool = True) -> list[Outcome]:
     logging.disable(logging.WARNING)
     outcomes = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for case in cases:
             try:
-                outcomes.append(run(case, root))
+                outcomes.append(run(case, root, plugin))
             except Exception as error:  # noqa: BLE001 - a case's crash is its outcome
                 outcomes.append(Outcome(case, "error", f"{type(error).__name__}: {str(error)[:300]}"))
     return outcomes

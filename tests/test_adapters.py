@@ -29,8 +29,10 @@ from bagualu_plugin.adapters import (
     save_tiny,
     tiny_model,
 )
+from bagualu_plugin.adapters.costs import model_dims
 from bagualu_plugin.adapters.experts import require_plain_weights
 from bagualu_plugin.adapters.gate import GateMonitor, RoutingSkew, tokens_per_expert
+from bagualu_plugin.costmodel import CostModel
 
 FAMS = sorted(FAMILIES)
 DENSE_FIRST = {"glm4_moe", "deepseek_v3", "qwen2_moe", "qwen3_moe"}  # tiny configs: layer 0 is dense
@@ -303,7 +305,7 @@ def test_gate_ignores_sentinel_indices():
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_gate_does_not_decide_again_in_backward_recompute(family):
     model = model_of(family, IMPLEMENTATION)
-    model.activation_checkpointing_enable()
+    model.gradient_checkpointing_enable()  # the name every 5.x release has
     calls = []
     monitor = GateMonitor(model, on_gate=lambda i, c, s: calls.append(i)).install()
     capture = RouterCapture(model)
@@ -480,7 +482,7 @@ def test_routing_skew_survives_recompute():
     for checkpointing in (False, True):
         model = model_of("glm4_moe", IMPLEMENTATION)
         if checkpointing:
-            model.activation_checkpointing_enable()
+            model.gradient_checkpointing_enable()  # the name every 5.x release has
         skew = RoutingSkew(model, 0.5, 4, 2).install()
         results.append(step(model, ids))
         skew.remove()
@@ -544,3 +546,54 @@ def test_a_provisioners_gate_takes_the_local_pairs_without_counting_them():
     with pytest.raises(KeyError, match="no per-expert counts"):
         monitor.counts(moe_layers(model)[0].index)
     monitor.remove()
+
+
+@pytest.mark.parametrize(("family", "extra"), [("glm4_moe", 2), ("deepseek_v3", 2), ("qwen3_moe", 0), ("mixtral", 0)])
+def test_cuda_autocast_keeps_a_renormalising_sigmoid_routers_sum_in_fp32(family, extra):
+    """CUDA's autocast runs `sum` in FP32 on a half-precision tensor, the CPU's does not: where a
+    router renormalises BF16 sigmoid scores (GLM-4, DeepSeek-V3) the sum it keeps is FP32 on CUDA,
+    2 more bytes per token and MoE layer; a softmax router's scores are FP32 already. (Every other
+    op these families run on half-precision tensors has the same autocast policy on both: checked
+    against the dispatcher's Autocast kernels.)"""
+    dims = model_dims(tiny_model(family))
+    priced = {
+        device: CostModel.from_config(dims.model_copy(update={"autocast": "bf16", "device": device})).activation_bytes(64, seq_len=32)
+        for device in ("cpu", "cuda")
+    }
+    moe = dims.num_layers - dims.first_k_dense
+    assert priced["cuda"] - priced["cpu"] == extra * 64 * moe
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_a_router_weight_stored_in_the_model_dtype_is_read_off_the_model_and_priced(autocast):
+    """transformers before 5.2x keep GLM-4-MoE's router weight in the model's dtype (5.2x: FP32);
+    the router still hands its linear an FP32 copy, which it keeps (under autocast, the cast of that
+    copy). Here as on 5.17: the weight cast to BF16 in place of the FP32 one."""
+    from bagualu_plugin.adapters.costs import model_cost
+
+    model = tiny_model("glm4_moe", dtype=torch.bfloat16)
+    for layer in Adapter(model).layers:
+        if layer.moe:
+            layer.router.weight = nn.Parameter(layer.router.weight.detach().to(torch.bfloat16))
+    assert model_dims(model).router_dtype == "bf16"
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    saved = plan_step(model, ids, {}, autocast=autocast)[2]
+    cm = model_cost(model, autocast=None if autocast is None else "bf16")
+    assert saved == cm.activation_bytes(32, seq_len=16)
+
+
+def test_transformers_expert_parallelism_is_read_where_the_release_marks_no_experts():
+    """5.2x mark the experts they shard (`_is_expert_parallel`); older 5.x releases do not, and
+    read the model's `distributed_config` instead."""
+    from transformers.distributed import DistributedConfig
+
+    from bagualu_plugin.adapters.experts import sharded
+
+    experts = next(layer.experts for layer in Adapter(tiny_model("qwen3_moe")).layers if layer.moe)
+    assert not sharded(experts)
+    if hasattr(experts, "_is_expert_parallel"):
+        del experts._is_expert_parallel  # as before 5.2x
+    assert not sharded(experts)
+    experts.config.distributed_config = DistributedConfig()
+    experts.config.distributed_config.enable_expert_parallel = True  # the field 5.17's expert parallelism sets
+    assert sharded(experts)

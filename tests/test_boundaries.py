@@ -15,7 +15,7 @@ import bagualu_plugin as bgl
 from bagualu_plugin.adapters import save_tiny, tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.runtime import Ledger
-from bagualu_plugin.runtime.regions import same, top_hooks
+from bagualu_plugin.runtime.replay import same, top_hooks
 from bagualu_plugin.runtime.static_memory import storage_bytes
 
 BATCH, SEQ, M, STEPS = 2, 32, 4, 2

@@ -15,6 +15,7 @@ import torch
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.runtime import calibration
 from bagualu_plugin.runtime.boundaries import ForwardKind
 
 BATCH, SEQ, MICRO_BATCHES, STEPS = 2, 32, 2, 3
@@ -66,6 +67,8 @@ def test_an_op_that_saves_more_than_its_cost_model_is_named_once_and_planned_for
     assert any(x.layer == layer for x in events[0].escalations)
     named = [str(w.message) for w in caught if "kept" in str(w.message) and "cost model" in str(w.message)]
     assert len(named) == 1 and f"op {layer}.mlp_norm of qwen3_moe kept" in named[0], named
+    # the kind and the cause in words: the tested releases are not the cause here
+    assert "(a plain forward over fp32 weights on cpu)" in named[0] and calibration._cause() in named[0]
     extra = COPIES * BATCH * SEQ * model.config.hidden_size * 4  # exp's output, float32
     first = events[0].misses
     assert [m.op for m in first] == [f"{layer}.mlp_norm"] and first[0].measured - first[0].predicted == extra
@@ -227,3 +230,61 @@ def test_a_held_graph_of_an_abandoned_forward_is_no_later_micro_batchs():
     assert prov.decider.costs[ForwardKind()].activation_bytes(BATCH * SEQ, seq_len=SEQ) == event.actual  # not 'corrected'
     assert prov.ledger.live_device_bytes > 0  # the held graph, still counted
     del held
+
+
+def test_a_miss_outside_the_tested_releases_names_the_release(monkeypatch):
+    from bagualu_plugin import versions
+
+    monkeypatch.setattr(versions, "untested", lambda: ["transformers 9.1.0 (tested: 5.24.0 to 5.25.0)", "nanotron 0.5"])
+    assert calibration._cause() == (
+        "Cause: transformers 9.1.0 (tested: 5.24.0 to 5.25.0), a release that may save other tensors than the cost model describes"
+    )
+
+
+def test_a_loop_that_computes_its_own_loss_on_the_logits_is_a_kind_of_its_own_and_exact():
+    """No labels: the model computes no loss (`ForwardKind.loss`), so its head keeps nothing beyond
+    the logits it returns; the caller's loss runs after the forward. Planned, with no miss."""
+    model = tiny_model("qwen3_moe", num_hidden_layers=3)
+    capacity = int(0.6 * model_cost(model, loss=False).activation_bytes(BATCH * SEQ, seq_len=SEQ))
+    prov = bgl.apply(model, {"hardware": {"capacity_bytes": capacity}, "budget": {"non_activation_bytes": 0}, "strategies": EXACT,
+                             "pipeline": {"micro_batches": 1}})
+    g = torch.Generator().manual_seed(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="bagualu", category=RuntimeWarning)
+            for seq in (SEQ, SEQ - 5, SEQ + 3):
+                ids = torch.randint(0, 128, (BATCH, seq), generator=g)
+                logits = model(input_ids=ids).logits
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
+    finally:
+        prov.remove()
+    assert all(e.plan and e.misses == [] and e.kind["loss"] is False for e in prov.events)
+
+
+def test_a_miss_that_recurs_in_every_micro_batch_of_a_kind_is_reported_once_as_a_failure():
+    """An op that saves a fixed number of bytes whatever the shape: planning on the bytes per token
+    it kept cannot make the next micro-batches of another length exact, and after `UNCONVERGED` in a
+    row the check says so, once, naming the kind."""
+    from bagualu_plugin.runtime.calibration import UNCONVERGED
+
+    model = tiny_model("qwen3_moe", num_hidden_layers=3)
+    norm = model.model.layers[1].post_attention_layernorm
+    forward = norm.forward
+    norm.forward = lambda x: forward(x) + torch.ones(1000, requires_grad=True).exp().sum() * 0  # exp keeps 4,000 bytes
+    recipe = {"hardware": {"capacity_bytes": 10**9}, "budget": {"non_activation_bytes": 0}, "pipeline": {"micro_batches": 1}}
+    prov = bgl.apply(model, recipe)
+    g = torch.Generator().manual_seed(0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for seq in (SEQ, SEQ // 2, SEQ * 2, SEQ - 3, SEQ + 5, SEQ // 3):
+                ids = torch.randint(0, 128, (BATCH, seq), generator=g)
+                model(input_ids=ids, labels=ids.clone()).loss.backward()
+    finally:
+        del norm.forward
+        prov.remove()
+    assert all(e.misses for e in prov.events)
+    failures = [str(w.message) for w in caught if "did not converge" in str(w.message)]
+    assert len(failures) == 1 and f"the last {UNCONVERGED} micro-batches" in failures[0], failures
+    assert "(a plain forward over fp32 weights on cpu)" in failures[0]
+    assert prov.calibration.failed == {ForwardKind()}

@@ -89,3 +89,16 @@ def test_what_the_large_sweeps_found_fits_or_is_refused(name, root):
     assert outcome.result == ("refused" if name.endswith("padded-floor") else "fits"), outcome.detail
     if outcome.result == "refused":
         assert "micro-batch 2 of 80 tokens (2 x 40) cannot fit" in outcome.detail
+
+
+mixed = importlib.import_module("mixed_precision")
+
+
+@pytest.mark.parametrize("index", [2, 14, 40])  # SFTTrainer at its defaults, with LoRA, a loop under FP16 autocast
+def test_mixed_precision_trains_exactly_and_bitwise_the_run_without_the_plugin(index, root):
+    """benchmarks/mixed_precision.py's grid, three of its cases: FP32 weights under autocast at
+    half the unmitigated micro-batch, planned, no miss, no spill, the weights those of the same
+    training without the plugin."""
+    variant, case = mixed.grid()[index]
+    row = mixed.check(case, root)
+    assert row[-1] == "exact" and row[4] > 0, (variant, row)  # row[4]: micro-batches planned

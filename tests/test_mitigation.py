@@ -203,9 +203,19 @@ def _clean(model) -> bool:
     )
 
 
+def _plain_bytes(model) -> int:
+    """What a forward of the model as transformers runs it saves (its own experts implementation)."""
+    probe = Ledger.for_model(model)
+    with probe.track():
+        loss = model(input_ids=IDS, labels=LABELS).loss
+    del loss
+    return probe.live_device_bytes
+
+
 def test_nothing_is_left_behind_also_when_the_body_raises():
     model = tiny_model("qwen2_moe")
     state = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = _plain_bytes(model)
     plan = {
         OpId(1, "expert_act"): "recompute", OpId(2, "attn_norm"): "offload", OpId(1, "router"): "fp8", OpId(3, "loss"): "recompute"
     }
@@ -218,12 +228,7 @@ def test_nothing_is_left_behind_also_when_the_body_raises():
             raise RuntimeError("boom")
     assert _clean(model)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
-    # no saved-tensor hooks remain: a plain forward saves what it always saved
-    probe = Ledger.for_model(model)
-    with probe.track():
-        loss = model(input_ids=IDS, labels=LABELS).loss
-    assert probe.live_device_bytes == run(model)[2]
-    del loss
+    assert _plain_bytes(model) == plain  # no saved-tensor hooks remain: a plain forward saves what it always saved
 
 
 def test_bad_plans_are_rejected_before_anything_is_installed():
@@ -308,3 +313,36 @@ def test_offload_on_cuda_is_exact_through_pinned_buffers_and_side_streams():
     loss_off, grads_off, host = step(dict.fromkeys(bgl.list_ops(model), "offload"))
     assert host > 0 and torch.equal(loss, loss_off)
     assert all(torch.equal(g, r) for g, r in zip(grads_off, grads))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_recompute_is_exact_where_torch_cannot_make_a_saved_variable(family, monkeypatch):
+    """torch before 2.13 has no `_make_saved_tensor`: a region's inputs are then saved through the
+    hooks in force by `HookedInput`. Every recompute unit alone, and everything recomputed, stay
+    bitwise and charged as predicted."""
+    from bagualu_plugin.runtime import replay
+
+    model = tiny_model(family)
+    cm, (loss0, grads0, _) = model_cost(model), run(model)
+    monkeypatch.setattr(replay, "_make_saved_tensor", None)
+    for plan in [cm.full_recompute(), *(Plan.uniform(unit, "recompute") for unit in units(model))]:
+        loss, grads, saved = run(model, plan)
+        assert torch.equal(loss, loss0) and all(torch.equal(g, r) for g, r in zip(grads, grads0)), plan
+        assert saved == cm.activation_bytes(TOKENS, seq_len=SEQ, plan=plan), plan
+
+
+def test_a_hooked_input_is_handed_back_as_autograd_would():
+    """Asking for gradients as it did where an unpack hook returns a copy; refused where the tensor
+    it hands back was changed in place since."""
+    from bagualu_plugin.runtime.replay import HookedInput, ReplayError
+
+    x = torch.ones(3, requires_grad=True) * 2
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach().clone(), lambda t: t):
+        saved = HookedInput(x)
+    back = saved.unpack()
+    assert back is not x and back.requires_grad and torch.equal(back, x)
+    kept = HookedInput(x)  # no hooks: the tensor itself
+    assert kept.unpack() is x
+    x.mul_(3)
+    with pytest.raises(ReplayError, match="modified in place after the region's forward"):
+        kept.unpack()

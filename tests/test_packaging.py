@@ -97,3 +97,17 @@ def test_transformers_and_the_plugin_import_at_the_repository_root():
     assert done.returncode == 0, done.stderr
     here, in_rank = done.stdout.split()
     assert here == in_rank and "site-packages" in here and not here.startswith(str(ROOT / "kernels")), done.stdout
+
+
+def test_installing_leaves_the_installed_torch_in_place(tmp_path):
+    """`pip install .` where a supported torch is installed already (a GPU machine's CUDA build; in
+    CI each version set's own) installs the plugin alone: nothing replaces torch, nor any other
+    installed dependency. Offline, as on an air-gapped machine: every requirement is met in place."""
+    import json
+
+    report = tmp_path / "report.json"
+    command = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-build-isolation", "-q", "--report", str(report),
+               str(_source_copy(tmp_path / "src"))]
+    subprocess.run(command, check=True, capture_output=True, text=True, timeout=300)
+    installs = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert installs == ["bagualu-plugin"], installs

@@ -106,7 +106,7 @@ def test_model_dims_reads_the_adapters():
     # router's weight, and keeps the adapters in FP32 (autocast_adapter_dtype)
     model = get_peft_model(tiny_model("qwen3_moe", dtype=torch.bfloat16), LoraConfig(r=4, target_modules="all-linear"))
     dims, cm = model_dims(model), model_cost(model)
-    assert dims.dtype == "bf16" and dims.lora.dtype == "fp32" and dims.lora.device == "cpu"  # dropout keeps its noise here
+    assert dims.dtype == "bf16" and dims.lora.dtype == "fp32"
     assert dims.lora.rank == 4 and dims.lora.ranks == {EXPERT_TARGETS[0]: 8} and dims.lora.layers is None
     assert {"mlp.gate.weight", *EXPERT_TARGETS, "self_attn.q_proj"} <= set(dims.lora.targets)
     ids = torch.randint(0, 128, (2, 16))

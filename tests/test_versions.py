@@ -1,9 +1,11 @@
 """The tested range the plugin warns outside of at import (`bagualu_plugin.versions`) is the one CI
 installs: its oldest versions are pyproject's lower bounds (.ci/lower_bounds.py pins them for CI's
-oldest-version run), its newest those of .ci/constraints-newest.txt."""
+oldest-version run), its newest those of .ci/constraints-newest.txt (the README's install) and the
+torch of .ci/run's newest set."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +28,7 @@ def test_the_tested_range_is_what_ci_installs():
     newest = dict(
         line.split("==") for line in (ROOT / ".ci" / "constraints-newest.txt").read_text().splitlines() if "==" in line
     )
+    newest["torch"] = re.search(r"^newest_torch=(\S+)", (ROOT / ".ci" / "run").read_text(), re.MULTILINE)[1]  # its newest set's
     for name, (oldest, latest) in versions.TESTED.items():
         assert Version(oldest) == Version(lower[name]), name
         assert Version(latest) == Version(Version(newest[name]).base_version), name
@@ -33,8 +36,9 @@ def test_the_tested_range_is_what_ci_installs():
 
 def test_a_version_outside_the_range_is_named_with_the_range():
     assert versions.untested({"transformers": "5.25.0", "torch": "2.13.0+cpu", "trl": None}) == []
-    assert versions.untested({"transformers": "5.26.0", "peft": "0.20.0"}) == [
-        "transformers 5.26.0 (tested: 5.24.0 to 5.25.0)", "peft 0.20.0 (tested: 0.21.0 to 0.21.2)",
+    assert versions.untested({"transformers": "5.26.0", "peft": "0.20.0", "torch": "2.10.0+cu128"}) == [
+        "torch 2.10.0+cu128 (tested: 2.11.0 to 2.15.0)", "transformers 5.26.0 (tested: 5.17.0 to 5.25.0)",
+        "peft 0.20.0 (tested: 0.21.0 to 0.21.2)",
     ]
 
 

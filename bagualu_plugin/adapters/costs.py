@@ -23,13 +23,21 @@ def model_dims(model: nn.Module) -> ModelDims:
     """The dimensions of a supported HF model as the analytic cost model needs them (a recipe's
     `model:` section): its config, in the dtype and attention kernel it runs, with the PEFT LoRA
     adapters injected into it (`get_peft_model`, `inject_adapter_in_model`) as `lora`, and whether
-    `F.linear` is DeepSpeed ZeRO-3's now (`zero3_linear`: its linears run through it)."""
+    `F.linear` is DeepSpeed ZeRO-3's now (`zero3_linear`: its linears run through it), and the
+    routers' weights' dtype where it is not the family's (`router_dtype`). The
+    dimensions of the checkpoint, not of the machine: `device` is left to `model_cost`."""
     adapter = Adapter(model)
     weight = next(adapter.model.parameters())
     dims = ModelDims.from_hf_config(adapter.config, dtype=DTYPES[weight.dtype], attention=_attention_kernel(adapter, weight))
-    lora = _lora(adapter, dims, weight.device)
+    lora = _lora(adapter, dims)
     zero3 = getattr(torch.nn.functional.linear, "__module__", None) == "deepspeed.runtime.zero.linear"
-    return dims if lora is None and not zero3 else ModelDims.model_validate({**dict(dims), "lora": lora, "zero3_linear": zero3})
+    router = next(layer.router for layer in adapter.layers if layer.moe)
+    stored = DTYPES[getattr(router, "get_base_layer", lambda: router)().weight.dtype]
+    family = "fp32" if dims.traits.router_fp32 else dims.dtype
+    router_dtype = None if stored == family else stored
+    if lora is None and not zero3 and router_dtype is None:
+        return dims
+    return ModelDims.model_validate({**dict(dims), "lora": lora, "zero3_linear": zero3, "router_dtype": router_dtype})
 
 
 def model_cost(
@@ -40,6 +48,7 @@ def model_cost(
     loss_divisor_bytes: int = 0,
     router_aux_loss: str = "none",
     autocast: str | None = None,
+    loss: bool = True,
 ) -> CostModel:
     """The analytic cost model of a supported HF model (`model_dims`) on `hardware` (a preset
     name or a spec, e.g. a recipe's `hardware`), on this rank of its expert-parallel group
@@ -48,21 +57,24 @@ def model_cost(
     TRL's fused one (`fused_head`), whose loss divides by a token count tensor of that many
     bytes (`loss_divisor_bytes`: the Trainer's `num_items_in_batch`), which add the routers'
     load-balancing loss (`router_aux_loss`, `ModelDims.router_aux_loss`), which run under autocast
-    to a dtype ("bf16" or "fp16": `autocast`, `ModelDims.autocast`)."""
+    to a dtype ("bf16" or "fp16": `autocast`, `ModelDims.autocast`), whose model computes no loss
+    (`loss=False`: no labels given, the caller's loss runs on the logits after the forward)."""
     group = Adapter(model).expert_group
     parallel = Parallel(ep=group.size, ep_rank=group.rank, all_to_all=True) if group else Parallel()
     dims = model_dims(model)
+    if next(model.parameters()).device.type == "cpu":  # else CUDA's (the meta device's too)
+        dims = dims.model_copy(update={"device": "cpu"})
     if masked and dims.attention == "sdpa":
         dims = dims.model_copy(update={"attention": "sdpa_masked"})
-    if fused_head:
-        dims = dims.model_copy(update={"lm_head": "trl_fused"})
+    if fused_head or not loss:
+        dims = dims.model_copy(update={"lm_head": "trl_fused" if fused_head else "hf_logits"})
     dims = ModelDims.model_validate(
         {**dict(dims), "loss_divisor_bytes": loss_divisor_bytes, "router_aux_loss": router_aux_loss, "autocast": autocast}
     )
     return CostModel.from_config(dims, hardware, parallel)
 
 
-def _lora(adapter: Adapter, dims: ModelDims, device: torch.device) -> LoraDims | None:
+def _lora(adapter: Adapter, dims: ModelDims) -> LoraDims | None:
     """The LoRA adapters PEFT put in the decoder layers (its `lora.Linear`s and, for the fused
     expert weights, `ParamWrapper`s), read off the layers; None without any. What `LoraDims`
     cannot describe, and so the cost model would predict wrongly, is an error naming it."""
@@ -122,7 +134,6 @@ def _lora(adapter: Adapter, dims: ModelDims, device: torch.device) -> LoraDims |
         targets=sorted(union),
         layers=None if all(i in targets for i, found in expected.items() if found) else sorted(targets),
         dtype=dtypes.pop(),
-        device="cpu" if device.type == "cpu" else "cuda",
     )
 
 

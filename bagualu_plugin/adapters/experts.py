@@ -42,7 +42,7 @@ try:
 except ImportError as error:  # _grouped_linear: private helper of transformers' MoE integration
     raise ImportError(
         "bagualu_plugin's experts implementation needs transformers.integrations.moe.ExpertsInterface and "
-        "_grouped_linear, and transformers.integrations.finegrained_fp8.FP8ExpertsInterface (transformers>=5.24,<6); "
+        "_grouped_linear, and transformers.integrations.finegrained_fp8.FP8ExpertsInterface (transformers>=5.17,<5.27); "
         "the installed transformers does not provide them"
     ) from error
 
@@ -146,20 +146,31 @@ def _down_weighted(experts, act_out, expert_ids_g, perm, offsets, top_k_weights)
     proj_out = _grouped_linear(act_out, experts.down_proj, offsets, bias=bias, is_transposed=experts.is_transposed)
     if sentinel_mask is not None:
         proj_out = proj_out.masked_fill(sentinel_mask, 0.0)
-    if experts.has_post_expert_norm:
+    if getattr(experts, "has_post_expert_norm", False):  # transformers 5.2x
         proj_out = experts.post_expert_norm(proj_out)
     return proj_out * sample_weights_g.unsqueeze(-1)
 
 
+def sharded(experts: nn.Module) -> bool:
+    """Whether transformers' own expert parallelism shards `experts` (the pairs routed to other
+    ranks then come as sentinel ids): the experts' mark where the release sets one (5.2x), else the
+    model's `distributed_config.enable_expert_parallel`, which older 5.x releases read instead."""
+    marked = getattr(experts, "_is_expert_parallel", None)
+    if marked is not None:
+        return marked
+    distributed = getattr(getattr(experts, "config", None), "distributed_config", None)
+    return bool(getattr(distributed, "enable_expert_parallel", False))
+
+
 def _sentinel_mask(experts: nn.Module, expert_ids_g: torch.Tensor) -> torch.Tensor | None:
-    if not experts._is_expert_parallel:
+    if not sharded(experts):
         return None
     return (expert_ids_g >= experts.num_experts).unsqueeze(-1)
 
 
 def _in_bounds(experts: nn.Module, expert_ids_g: torch.Tensor) -> torch.Tensor:
     """Expert ids usable for a bias gather: sentinels clamped (their rows are masked anyway)."""
-    if not experts._is_expert_parallel:
+    if not sharded(experts):
         return expert_ids_g
     return expert_ids_g.clamp(max=experts.num_experts - 1)
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .adapter import GATE_ATTR, Adapter, Layer, is_inside_backward
-from .experts import local_expert_range
+from .experts import local_expert_range, sharded
 
 OnGate = Callable[[int, torch.Tensor | None, torch.Tensor | int], None]
 
@@ -131,7 +131,7 @@ class GateMonitor(_RouterHooks):
         if not self.active or is_inside_backward() or layer.expert_parallel:
             return
         index = _router_output(layer, output)[2]
-        if not self.per_expert and not getattr(layer.experts, "_is_expert_parallel", False):
+        if not self.per_expert and not sharded(layer.experts):
             self._record(layer, None, index.numel())
             return
         counts = tokens_per_expert(index, self.adapter.num_experts)

@@ -192,7 +192,7 @@ class _Block:
         given = self.tensors[inp]["dtype_bytes"]
         x = inp if given == ab and not cast else self.tensor(f"{target}.lora_x", op, self.tok(width), rb)
         if lora.dropout:
-            fused = lora.device == "cuda"  # a bool mask, else the noise in the adapters' dtype
+            fused = self.dims.device == "cuda"  # a bool mask, else the noise in the adapters' dtype
             noise = self.tensor(f"{target}.lora_mask", op, self.tok(width), 1 if fused else ab, floating=not fused)
             self.save(op, noise, when=self.requires_grad(inp))
             x = self.tensor(f"{target}.lora_dropped", op, self.tok(width), rb)
@@ -364,7 +364,8 @@ def _router(blk: _Block, h_in: str) -> str:
 
     GLM-4 and DeepSeek-V3 route in FP32 through a sigmoid (keeping an FP32 copy of a low-precision
     input); Qwen and Mixtral through an FP32 softmax; gpt-oss softmaxes only the top-k logits.
-    All keep the top-k index; renormalised weights keep the raw top-k and their sum. The weights
+    All keep the top-k index; renormalised weights keep the raw top-k and their sum (FP32 under
+    CUDA's autocast, which sums in FP32). The weights
     stay FP32 except where Qwen and gpt-oss cast them to the model dtype; gpt-oss hands on the very
     softmax output it keeps. The input is kept for the router's weight, the rest for the input's
     gradient.
@@ -384,15 +385,16 @@ def _router(blk: _Block, h_in: str) -> str:
     target = f"mlp.{d.traits.router}.weight"
     adapted = blk.adapts(target)  # PEFT's ParamWrapper: W + scale B A, made in the router and kept for the input's gradient
     blk.save("router", x, when=blk.trains or adapted or (d.zero3_linear and blk.requires_grad(h_in)))  # F.linear, as linear()
-    weight_bytes = _F32 if fp32 else b
-    if adapted or logits != weight_bytes:  # the weight a linear reads is a tensor of its own
+    stored = DTYPE_BYTES[d.router_dtype] if d.router_dtype else _F32 if fp32 else b
+    given_weight = _F32 if fp32 else stored  # an FP32 router hands its linear an FP32 weight (a copy of another)
+    if adapted or stored != given_weight or logits != given_weight:  # the weight the linear keeps is a tensor of its own
         weight = blk.tensor("router.weight", "router", LinearForm(const=E * h), logits)
         blk.save("router", weight, when=blk.requires_grad(h_in))
     if adapted:
         ab = DTYPE_BYTES[d.lora.dtype]
         # B A of copies, each kept for the other: FP32 ones on CPU of lower-precision adapters, and
         # under autocast to the model dtype the casts of FP32 adapters to it
-        copies = _F32 if d.lora.device == "cpu" and ab < _F32 else c if d.autocast and ab != c else None
+        copies = _F32 if d.device == "cpu" and ab < _F32 else c if d.autocast and ab != c else None
         if copies is not None:
             rank = d.lora.rank_of(target)
             for side, w in (("in", h), ("out", E)):
@@ -404,9 +406,10 @@ def _router(blk: _Block, h_in: str) -> str:
     else:
         blk.save("router", blk.tensor("router.scores", "router", blk.tok(E), r), when=grad)
     blk.save("router", blk.tensor("router.topk_index", "router", blk.tok(k), _I64, floating=False), when=grad)
-    if d.norm_topk_prob:
+    if d.norm_topk_prob:  # CUDA's autocast sums a half-precision tensor in FP32, the CPU's in its dtype
         blk.save("router", blk.tensor("router.topk_raw", "router", blk.tok(k), r), when=grad)
-        blk.save("router", blk.tensor("router.topk_sum", "router", blk.tok(1), r), when=grad)
+        total = _F32 if d.autocast and d.device == "cuda" else r
+        blk.save("router", blk.tensor("router.topk_sum", "router", blk.tok(1), total), when=grad)
     blk.op("router", (h_in,), blk.tok(2 * h * E), LinearForm(const=E * h * _F32) + blk.tok(h * b + 3 * E * _F32), kernels=10)
     blk.expert_params += E * h + (E if d.traits.expert_bias else 0)
     if d.traits.router_topk_softmax:
@@ -611,6 +614,7 @@ def embedding(dims: ModelDims, par: Parallel, hw: HardwareSpec, keeps_rope: bool
 def lm_head(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
     """Final norm, vocabulary projection (vocab-parallel over tp) and cross-entropy, which keeps
     the FP32 log-probabilities and the targets; recomputing the loss holds the labels instead.
+    Given no labels (`lm_head="hf_logits"`) the head returns its logits and keeps nothing more.
     The chunked loss (`MitigationOptions.loss_chunk_tokens`, `runtime.chunked_loss`) keeps the
     final norm's output, the targets and one FP32 log-sum-exp per token instead of the
     log-probabilities (the paths' tensors are marked `TensorSpec.chunked`)."""
@@ -625,6 +629,10 @@ def lm_head(dims: ModelDims, par: Parallel, hw: HardwareSpec) -> BlockGraph:
     blk.tensor("logits", "lm_head", blk.tok(v), blk.c)
     weights = LinearForm(const=h * v * blk.b / par.tp)
     blk.op("lm_head", ("final_norm.out",), blk.tok(2 * h * v), weights + blk.tok((h + v) * blk.b), kernels=2)
+    if dims.lm_head == "hf_logits":  # no labels: the logits are the forward's output, and nothing more is kept
+        blk.op("loss", ("logits",), LinearForm(), LinearForm(), kernels=0)
+        blk.dense_params += v * h // par.tp
+        return blk.build()
     blk.tensor("labels", INPUT, LinearForm(per_token=1), _I64, floating=False)  # the caller's, as collators copy them
     blk.save("loss", blk.tensor("loss.logprobs", "loss", blk.tok(v), _F32))
     # the shifted labels: a view of the padded row for one sequence, a copy for several

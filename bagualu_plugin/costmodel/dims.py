@@ -53,11 +53,6 @@ class LoraDims(_Strict):
     targets: list[str] = Field(min_length=1, description="adapted linears and expert weights, by their names in a decoder layer")
     layers: list[int] | None = Field(default=None, description="decoder layers with adapters (layers_to_transform); None: all")
     dtype: DType = Field(default="fp32", description="the adapters' weights: PEFT keeps them FP32 (autocast_adapter_dtype)")
-    device: Literal["cuda", "cpu"] = Field(
-        default="cuda",
-        description="where the model trains: CUDA's fused dropout keeps a 1-byte mask, the CPU's its scaled noise; on the CPU, "
-        "PEFT makes a 2-D weight's LoRA delta (the router's) from FP32 copies of half-precision factors",
-    )
 
     def adapts(self, layer: int, target: str) -> bool:
         return target in self.targets and (self.layers is None or layer in self.layers)
@@ -104,6 +99,19 @@ class ModelDims(_Strict):
         "mask, which it keeps per layer (with repeated keys and values under grouped-query attention)",
     )
     lora: LoraDims | None = Field(default=None, description="PEFT LoRA adapters on the frozen model; None: every weight trains")
+    router_dtype: DType | None = Field(
+        default=None,
+        description="the dtype the routers' weights are stored in where it is not the family's (FP32 for a router that "
+        "computes in FP32, else the model's): transformers before 5.2x keep GLM-4-MoE's in the model's dtype; None: "
+        "the family's",
+    )
+    device: Literal["cuda", "cpu"] = Field(
+        default="cuda",
+        description="where the model trains: CUDA's autocast sums half-precision tensors in FP32 (a renormalising "
+        "router keeps an FP32 sum), the CPU's in their dtype; under LoRA CUDA's fused dropout keeps a 1-byte mask, the "
+        "CPU's its scaled noise, and on the CPU PEFT makes a 2-D weight's delta (the router's) from FP32 copies of "
+        "half-precision factors (`model_cost` reads it off the weights)",
+    )
     loss_divisor_bytes: int = Field(
         default=0, ge=0, description="bytes of the caller's token count the loss divides by (the Trainer's num_items_in_batch "
         "tensor), which the loss keeps; 0: none",
@@ -119,9 +127,10 @@ class ModelDims(_Strict):
         "bf16=True), None without autocast: a linear, a matmul or attention on operands of another dtype (FP32 "
         "weights, an FP32 router, PEFT's FP32 adapters) computes on cast copies of them, which it keeps",
     )
-    lm_head: Literal["hf", "trl_fused"] = Field(
+    lm_head: Literal["hf", "hf_logits", "trl_fused"] = Field(
         default="hf",
-        description="how the LM head and loss run: HF's CausalLM forward, or TRL's fused log-prob head (SFTTrainer's "
+        description="how the LM head and loss run: HF's CausalLM forward, the same given no labels (its logits returned, "
+        "no loss: the caller's own loss runs after the forward), or TRL's fused log-prob head (SFTTrainer's "
         "`fused_lm_head`: no logits, its own autograd function)",
     )
     zero3_linear: bool = Field(

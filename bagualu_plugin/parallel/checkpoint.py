@@ -41,7 +41,7 @@ try:
 except ImportError as error:  # the weight-conversion API of transformers 5 (also used by PEFT)
     raise ImportError(
         "bagualu_plugin.parallel.checkpoint needs transformers.conversion_mapping.get_model_conversion_mapping and "
-        "transformers.core_model_loading (transformers>=5.24,<6); the installed transformers does not provide them"
+        "transformers.core_model_loading (transformers>=5.17,<5.27); the installed transformers does not provide them"
     ) from error
 
 SINGLE_FILE = "model.safetensors"

@@ -67,6 +67,8 @@ class Boundaries:
         return autocast_dtype(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
 
     def _before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.compiler.is_compiling():  # traced: refused before anything begins (torch 2.11's tracer fails inside begin_forward)
+            raise RuntimeError(UNCOMPILED)
         self._depth += 1
         prov = self._prov
         if self._depth > 1 or self._explicit or prov._forward is not None:
@@ -204,7 +206,8 @@ class ForwardKind(NamedTuple):
     head TRL's fused one (no logits), the token count its loss divides by, the routers'
     load-balancing loss, the dtype of the autocast it runs under ("bf16" or "fp16": linears,
     matmuls and attention then compute on copies in it of whatever operands are in another
-    dtype, the weights' included, and keep those). Each kind has its own cost model
+    dtype, the weights' included, and keep those), whether it computes its loss (labels given;
+    else the caller's loss runs on its logits after it). Each kind has its own cost model
     (`adapters.costs.model_cost`)."""
 
     masked: bool = False
@@ -212,6 +215,23 @@ class ForwardKind(NamedTuple):
     loss_divisor_bytes: int = 0
     router_aux_loss: str = "none"
     autocast: str | None = None
+    loss: bool = True
+
+    def __str__(self) -> str:
+        """The kind in words, for messages."""
+        aux = {
+            "all_tokens": "the routers' load-balancing loss",
+            "attention_mask": "the routers' load-balancing loss over the attention mask",
+        }
+        parts = [
+            "masked attention" * self.masked,
+            "TRL's fused head" * self.fused_head,
+            f"a loss divisor of {self.loss_divisor_bytes} bytes" if self.loss_divisor_bytes else "",
+            aux.get(self.router_aux_loss, ""),
+            f"{self.autocast} autocast" if self.autocast else "",
+            "" if self.loss else "no labels",
+        ]
+        return ", ".join(part for part in parts if part) or "a plain forward"
 
 
 def autocast_dtype(dtype: torch.dtype) -> str:
@@ -227,13 +247,15 @@ def forward_kind(kwargs: dict) -> ForwardKind:
     the caller's own, or several sequences packed in a row (position ids that restart), as
     transformers' mask functions decide. Fused head: `fused_lm_head=True` (TRL's SFTTrainer).
     Loss divisor: the bytes of a `num_items_in_batch` tensor (the Trainer's), which the loss keeps.
-    Router aux loss: `output_router_logits=True` (TRL asks for it), over a given attention mask or all tokens."""
+    Router aux loss: `output_router_logits=True` (TRL asks for it), over a given attention mask or all tokens.
+    Loss: `labels` given."""
     mask, positions, items = kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs.get("num_items_in_batch")
     masked = isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask.all()))
     packed = isinstance(positions, torch.Tensor) and positions.dim() == 2 and bool((positions[:, 1:] <= positions[:, :-1]).any())
     divisor = items.untyped_storage().nbytes() if isinstance(items, torch.Tensor) else 0
     aux = "none" if kwargs.get("output_router_logits") is not True else "all_tokens" if mask is None else "attention_mask"
-    return ForwardKind(masked or packed, kwargs.get("fused_lm_head") is True, divisor, aux)
+    loss = kwargs.get("labels") is not None
+    return ForwardKind(masked or packed, kwargs.get("fused_lm_head") is True, divisor, aux, loss=loss)
 
 
 VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # flash-attention's varlen arguments, through every layer

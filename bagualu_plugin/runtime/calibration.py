@@ -6,8 +6,11 @@ fewer) shows here first, not as an out-of-memory error.
 - After each forward, the bytes the Ledger charged to each op are compared with what the kind's
   cost model predicts for the plan in force and the routing its gates saw
   (`CostModel.device_bytes_by_op`, which charges as the Ledger charges). A difference either way
-  is reported once per (kind of forward, op), naming the family, the transformers version and
-  both byte counts, and goes into the micro-batch's telemetry (`Event.misses`).
+  is reported once per (kind of forward, op), naming the family, the kind, the versions, both
+  byte counts and the likely cause (a release outside the tested range, else the cost model of
+  that kind), and goes into the micro-batch's telemetry (`Event.misses`).
+- A kind whose forwards miss `UNCONVERGED` times in a row, planning on the measured bytes
+  included, is a failure of the cost model the check reports once: its plans may be off.
 - An op that kept more than predicted is planned on what it kept from then on: its kind's cost
   model gains the bytes per token it kept beyond its graph, as a tensor the op saves, so
   recomputing or offloading the op takes them away as well (`CostModel.with_saved`).
@@ -23,8 +26,10 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 import transformers
 
+from .. import versions
 from ..costmodel import OpId
 from ..costmodel.graph import BlockGraph
 from ..costmodel.linear import Load
@@ -43,6 +48,8 @@ class Miss:
 
 
 EMBED = OpId(-1, "embed")
+UNCONVERGED = 3  # forwards of one kind in a row that missed: the correction did not converge
+SAVERS = ("torch", "transformers", "peft", "trl")  # the packages whose code decides what an op saves
 
 
 def gate_pairs(cm: CostModel, routed: Mapping[int, float]) -> list[float] | None:
@@ -55,10 +62,13 @@ class Calibration:
     """The check after each forward, and what it has learnt: the ops of each kind of forward
     already reported, and the cost models corrected."""
 
-    def __init__(self, family: str):
-        self.family = family
+    def __init__(self, family: str, weights: str):
+        """`weights`: the model's weights in words (their dtype and device), for the messages."""
+        self.family, self.weights = family, weights
         self._reported: set[tuple[object, object]] = set()
         self._predicted: dict[tuple, tuple[CostModel, dict[object, int], int]] = {}
+        self._missed: dict[object, list[int]] = {}  # kind -> the excesses of its forwards that missed in a row
+        self.failed: set[object] = set()  # kinds reported as not converging
 
     def check(
         self, kind: object, cm: CostModel, measured: Mapping[object, int], tokens: int, routed: Mapping[int, float],
@@ -77,6 +87,7 @@ class Calibration:
         predicted, total = self._prediction(cm, tokens, gate_pairs(cm, routed), seq_len, plan, options)
         held = ids_view_bytes + (varlen_bytes if varlen_bytes and cm.holds_arguments(plan) else 0)
         excess = sum(measured.values()) - total - held
+        self._converging(kind, excess)
         if not excess:
             return [], cm
         if held:
@@ -91,9 +102,10 @@ class Calibration:
                 self._reported.add((kind, op))
                 warnings.warn(
                     f"bagualu: op {op} of {self.family} kept {miss.measured} bytes where the cost model of its forwards "
-                    f"({kind}) predicts {miss.predicted} under transformers {transformers.__version__}; the micro-batch kept "
-                    f"{excess:+d} bytes beyond its prediction in all (a release that saves other tensors than the cost model "
-                    "describes)" + ("; the next micro-batches are planned on the bytes measured" if excess > 0 else ""),
+                    f"({self._kind(kind)}) predicts {miss.predicted}; the micro-batch kept {excess:+d} bytes beyond its "
+                    f"prediction in all. {_cause()}" + (
+                        "; the next micro-batches are planned on the bytes measured" if excess > 0 else ""
+                    ),
                     RuntimeWarning, stacklevel=3,
                 )
         owners = [op for op in differ if isinstance(op, OpId) and op.layer in cm.blocks]
@@ -101,6 +113,28 @@ class Calibration:
             op = max(owners, key=lambda op: measured.get(op, 0) - predicted.get(op, 0))
             return misses, cm.with_saved(op, excess / tokens, kept=plan.get(op, "keep") != "keep")  # mitigated, and kept anyway
         return misses, cm
+
+    def _kind(self, kind: object) -> str:
+        return f"{kind} over {self.weights}"
+
+    def _converging(self, kind: object, excess: int) -> None:
+        """Counts `kind`'s forwards that missed in a row; at `UNCONVERGED` the failure is
+        reported, once per kind: planning on the measured bytes did not make them exact."""
+        missed = self._missed.setdefault(kind, [])
+        if not excess:
+            missed.clear()
+            return
+        missed.append(excess)
+        if len(missed) >= UNCONVERGED and kind not in self.failed:
+            self.failed.add(kind)
+            warnings.warn(
+                f"bagualu: the cost model of {self.family}'s forwards ({self._kind(kind)}) did not converge: the last "
+                f"{len(missed)} micro-batches of that kind each kept other bytes than predicted "
+                f"({', '.join(f'{n:+d}' for n in missed)} bytes), each planned on what the ones before kept; its plans "
+                f"may keep more than their budgets (the spill to host memory catches what passes the capacity). "
+                f"{_cause()}",
+                RuntimeWarning, stacklevel=4,
+            )
 
     def _prediction(
         self, cm: CostModel, tokens: int, pairs: list[float] | None, seq_len: int, plan: Plan, options: MitigationOptions,
@@ -115,6 +149,18 @@ class Calibration:
                 self._predicted.clear()
             hit = self._predicted[key] = (cm, by_op, sum(by_op.values()))
         return hit[1], hit[2]
+
+
+def _cause() -> str:
+    """What a miss most likely comes from: a release outside the tested range of a package that
+    decides what ops save, else the cost model itself."""
+    outside = [found for found in versions.untested() if found.split()[0] in SAVERS]
+    if outside:
+        return f"Cause: {', '.join(outside)}, a release that may save other tensors than the cost model describes"
+    return (
+        f"Cause: the cost model of this kind, not the release (torch {torch.__version__} and transformers "
+        f"{transformers.__version__} are tested): please report it with the op's tensors (`bagualu profile`)"
+    )
 
 
 def _by_block(ops) -> dict[int | None, list]:

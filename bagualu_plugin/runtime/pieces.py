@@ -40,12 +40,14 @@ def layer_inputs(adapter: Adapter, hidden_states: torch.Tensor, layers) -> Layer
     config = adapter.config
     position_ids = torch.arange(hidden_states.size(1), device=hidden_states.device).unsqueeze(0)
     position_embeddings = adapter.decoder.rotary_emb(hidden_states, position_ids)
-    kwargs = {"config": config, "inputs_embeds": hidden_states, "attention_mask": None, "cache": None, "position_ids": position_ids}
     sliding = getattr(config, "sliding_window", None) is not None
     masks = {}
     for kind in {layer_kind(adapter, i) for i in layers}:
         window = kind == "sliding_attention" or (kind == "default" and sliding)
-        masks[kind] = (create_sliding_window_causal_mask if window else create_causal_mask)(**kwargs)
+        # no mask given, no cache: positionally, as the cache's keyword was renamed within 5.x (past_key_values, cache)
+        masks[kind] = (create_sliding_window_causal_mask if window else create_causal_mask)(
+            config, hidden_states, None, None, position_ids=position_ids
+        )
     return LayerInputs(position_ids, position_embeddings, masks)
 
 

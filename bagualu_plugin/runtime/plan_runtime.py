@@ -33,7 +33,8 @@ from ..costmodel.plan import Block, Plan
 from .head import install_loss_runner
 from .hooks import SavedTensorHooks
 from .ledger import Ledger, _storage
-from .regions import SpanSaves, bagualu_experts, region, top_hooks
+from .regions import SpanSaves, bagualu_experts, region
+from .replay import top_hooks
 from .storage import HostPool
 from .unhooked_head import UnhookedHead
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..adapters import Adapter
-from ..adapters.costs import model_cost
+from ..adapters.costs import DTYPES, model_cost
 from ..adapters.gate import GateMonitor
 from ..config import Batch, Recipe
 from ..costmodel import CostModel
@@ -209,7 +209,8 @@ class Provisioner:
         # comes (`_add`); a given cost model has no twins
         first = cost or model_cost(model, recipe.hardware, **kind._asdict())
         self._given_cost = cost is not None
-        self.calibration = Calibration(adapter.family.model_type)
+        weight = next(adapter.model.parameters())
+        self.calibration = Calibration(adapter.family.model_type, f"{DTYPES[weight.dtype]} weights on {weight.device.type}")
         static = self.static.measure() if measured else None
         self.decider = Decider(Stage.of(recipe, first, split=False, static_bytes=static), {kind: first}, on_plan=self._prepare)
         stage = self.stage

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..adapters.experts import IMPLEMENTATION
-from .replay import Frame, recording
+from .replay import Frame, recording, same, top_hooks
 
 
 @contextmanager
@@ -30,15 +30,6 @@ def bagualu_experts(config) -> Iterator[None]:
         yield
     finally:
         config._experts_implementation_internal = previous
-
-
-def same(x):
-    return x
-
-
-def top_hooks() -> tuple[Callable, Callable]:
-    """The saved-tensor hooks in force now (a checkpoint's, the plan's); none: save as autograd does."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) or (same, same)
 
 
 class SpanSaves:

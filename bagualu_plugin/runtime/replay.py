@@ -7,6 +7,8 @@ then takes each saved tensor from its handle. Why not torch's non-reentrant chec
 only at the first unpack in backward and keys what it recomputed by the graph task running that
 backward, so a replay run before backward is thrown away and run again.
 
+The inputs are saved as autograd saves an op's input: a SavedVariable where torch can make one from
+Python (2.13 on), else `HookedInput`, the same through the hooks in force.
 A replay runs as the forward ran: the RNG state (CPU, and each CUDA device of its inputs) and the
 autocast state of the forward, grad enabled. It stops at its last save the graph still needs (as
 torch's early stop does), and fails if it saved fewer tensors than the forward, or a different one.
@@ -19,9 +21,20 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
-from torch._C._autograd import _make_saved_tensor
 
 from ..adapters.adapter import replaying
+
+_make_saved_tensor = getattr(torch._C._autograd, "_make_saved_tensor", None)  # torch >= 2.13
+
+
+def same(x):
+    return x
+
+
+def top_hooks() -> tuple[Callable, Callable]:
+    """The saved-tensor hooks in force now (a checkpoint's, the plan's); none: save as autograd does."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) or (same, same)
+
 
 
 class ReplayError(RuntimeError):
@@ -30,6 +43,37 @@ class ReplayError(RuntimeError):
 
 class _Done(Exception):
     """Raised by the replay's last save: the rest of the region need not run."""
+
+
+class HookedInput:
+    """A tensor saved as autograd saves an op's input, where torch (before 2.13) cannot make a
+    SavedVariable from Python: packed by the saved-tensor hooks in force (the Ledger counts it, an
+    offload moves it), refused at unpack if changed in place since (where the unpack hands back
+    the tensor itself, as autograd checks), and handed back asking for gradients as it did (an
+    unpack hook's copy does not: the replay must save what the forward saved)."""
+
+    __slots__ = ("_packed", "_unpack", "_version", "_requires_grad", "_original")
+
+    def __init__(self, tensor: torch.Tensor):
+        pack, self._unpack = top_hooks()
+        self._packed = pack(tensor)
+        self._version, self._requires_grad = tensor._version, tensor.requires_grad
+        self._original = weakref.ref(tensor)
+
+    def unpack(self) -> torch.Tensor:
+        tensor = self._unpack(self._packed)
+        if tensor is self._original() and tensor._version != self._version:
+            raise ReplayError(
+                f"an input of a recompute region was modified in place after the region's forward (version "
+                f"{self._version}, now {tensor._version}): its replay would compute from other values than the forward"
+            )
+        if tensor.requires_grad != self._requires_grad:
+            tensor = tensor.detach().requires_grad_(self._requires_grad)
+        return tensor
+
+
+def _save_input(tensor: torch.Tensor):
+    return _make_saved_tensor(tensor, is_output=False) if _make_saved_tensor is not None else HookedInput(tensor)
 
 
 class _Saved:
@@ -50,7 +94,7 @@ class Frame:
 
     def __init__(self, run: Callable, inputs: tuple[torch.Tensor, ...]):
         self.run = run
-        self.inputs = [_make_saved_tensor(t, is_output=False) for t in inputs]
+        self.inputs = [_save_input(t) for t in inputs]
         self.saves: list[weakref.ref] = []
         self.replayed = False
         self._cpu_rng = torch.get_rng_state()

@@ -20,7 +20,7 @@ from torch import nn
 
 from .boundaries import _grad_fns
 from .ledger import Ledger, _storage
-from .regions import top_hooks
+from .replay import top_hooks
 
 
 def _next_sequence_nr() -> int:
