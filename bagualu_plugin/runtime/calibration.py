@@ -23,6 +23,7 @@ fewer) shows here first, not as an out-of-memory error.
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -67,7 +68,7 @@ class Calibration:
         self.family, self.weights = family, weights
         self._reported: set[tuple[object, object]] = set()
         self._predicted: dict[tuple, tuple[CostModel, dict[object, int], int]] = {}
-        self._missed: dict[object, list[int]] = {}  # kind -> the excesses of its forwards that missed in a row
+        self._missed: dict[object, deque[int]] = {}  # kind -> the excesses of its last forwards that missed in a row
         self.failed: set[object] = set()  # kinds reported as not converging
 
     def check(
@@ -120,7 +121,7 @@ class Calibration:
     def _converging(self, kind: object, excess: int) -> None:
         """Counts `kind`'s forwards that missed in a row; at `UNCONVERGED` the failure is
         reported, once per kind: planning on the measured bytes did not make them exact."""
-        missed = self._missed.setdefault(kind, [])
+        missed = self._missed.setdefault(kind, deque(maxlen=UNCONVERGED))  # a kind that keeps missing holds no more
         if not excess:
             missed.clear()
             return

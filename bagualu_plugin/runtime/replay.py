@@ -36,7 +36,6 @@ def top_hooks() -> tuple[Callable, Callable]:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) or (same, same)
 
 
-
 class ReplayError(RuntimeError):
     """A region's replay did not save what its forward saved, or a saved tensor was asked for twice."""
 
