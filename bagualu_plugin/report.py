@@ -108,7 +108,7 @@ def plot_timeline(
     each forward or backward, the capacity, the adaptive budgets, spiking micro-batches shaded,
     OOMs crossed. `steps`: forwards and backwards per iteration."""
     fig, ax = _axes((12, 5.5))
-    colours = ("#1f4e79", "#c0392b", "#7f8c8d", "#d35400", "#7d3c98", "#117a65")
+    colours = ("#1f4e79", "#c0392b", "#7f8c8d", "#d35400", "#7d3c98", "#117a65", "#b7950b", "#2e86c1", "#6e2c00", "#17202a")
     spiked, ooms = set(), []
     for result, colour in zip(results, colours):
         xs, ys, ceilings = [], [], []
@@ -392,6 +392,7 @@ def summary(results: Sequence[PolicyResult]) -> list[dict]:
             "rank": r.rank,
             "rank_peak_device_bytes": r.rank_peak_device_bytes,
             "planner_ms_per_micro_batch": r.planner_ms_per_micro_batch,
+            "missed_forwards": r.missed_forwards,
             "seconds": r.seconds,
         }
         for r in results

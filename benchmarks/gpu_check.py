@@ -862,6 +862,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="two families, fewer kernel cases")
     p.add_argument("--cpu", action="store_true", help="reduced mode on CPU (taken anyway without CUDA)")
     p.add_argument("--only", default="", help="run only checks whose name contains this text")
+    p.add_argument("--skip", default=None, help="leave out checks whose name contains this text")
     p.add_argument("--check-timeout", type=int, default=300, help="seconds per check")
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.cpu
@@ -874,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [["environment", _environment(ctx), "cuda" if cuda else "reduced CPU mode", "INFO"]]
     try:
         for name, fn in CHECKS:
-            if args.only in name:
+            if args.only in name and not (args.skip and args.skip in name):
                 rows.append(_run(name, fn, ctx, args.check_timeout))
     finally:
         torch.use_deterministic_algorithms(deterministic)

@@ -7,7 +7,10 @@ capacity cannot hold a 2.6x routing spike unmitigated. One command, one table pe
    iteration, at a capacity lowered with `torch.cuda.set_per_process_memory_fraction` between
    what the normal band and a 2.6x spike need unmitigated (measured, not guessed); a real
    `torch.OutOfMemoryError` is a restart, charged as `bagualu demo` charges it (§VI-C); tokens/s
-   count the group's tokens, the mirrors' too, as `bagualu demo` counts every rank's;
+   count the group's tokens, the mirrors' too, as `bagualu demo` counts every rank's. Beside them
+   what users reach for instead (`alternatives.py`): transformers' gradient checkpointing, torch's
+   selective checkpointing with torchtitan's op policy and TRL's activation offloading (GPU only),
+   at the same capacity on the same batches;
 2. tax: what `bgl.apply` costs at an ample capacity, where every plan is empty
    (`benchmarks/overhead.py`'s alternation, `_alternate`);
 3. dual batch: `bgl.apply` with fused steady points (§V-B, `runtime.dual_batch`) against the
@@ -33,6 +36,11 @@ of the routed experts), its activation memory, its compute on every row it recei
 gates and restarts. Not measured: the all-to-alls' network time (a copy on this device here), the
 peers' memory and waits, and the values of what comes back for the rows this rank sends away (a
 mirror returns a stand-in of the right shape), so losses are not a real job's.
+
+The skew rewrites each MoE layer's routing after its router: a new index (tokens x k int64) that
+dispatch keeps and a real router does not make. The analytic model prices a real router, so the
+first micro-batch of the planned policies misses those bytes (a cost-model warning, one "missed
+forward"), and the Calibration plans on them from the next one.
 
 Each part has a time budget (`Mode.budget_s`) and stops iterating when it is spent; the garbage
 collector is frozen after set-up and collects between iterations (`collector.ManualCollector`).
@@ -61,7 +69,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 import torch.profiler
-from gpu_check import _intervals  # benchmarks/ is the script's folder, on sys.path
+from alternatives import ALTERNATIVES, GPU_ONLY, AlternativeRun  # benchmarks/ is the script's folder, on sys.path
+from gpu_check import _intervals
 from overhead import _alternate, _ample
 from torch._C._distributed_c10d import (
     AllreduceOptions,
@@ -79,8 +88,8 @@ from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.collector import ManualCollector, frozen
 from bagualu_plugin.demo import POLICIES
 from bagualu_plugin.demo.model import pretrained, rank_batches, rank_model
-from bagualu_plugin.demo.policies import PolicyRun
-from bagualu_plugin.report import summary, table
+from bagualu_plugin.demo.policies import PLANNED, PolicyRun
+from bagualu_plugin.report import plot_timeline, summary, table
 from bagualu_plugin.runtime.driver import run_iteration
 from bagualu_plugin.runtime.profiler import _instrumented, _Provenance, profile
 from bagualu_plugin.spikes import imbalance_schedule
@@ -205,6 +214,7 @@ class Device:
     def __init__(self, device: torch.device):
         self.device, self.cuda = device, device.type == "cuda"
         self.total = torch.cuda.get_device_properties(device).total_memory if self.cuda else 0
+        self.name = torch.cuda.get_device_name(device) if self.cuda else "CPU"
 
     def settle(self) -> None:
         if self.cuda:
@@ -322,7 +332,7 @@ def calibrate(dev: Device, stage: Stage, batches: list, start: dict) -> dict:
     return out
 
 
-def payoff(dev: Device, mode: Mode, iterations: int, cost, batches: list, start: dict) -> dict:
+def payoff(dev: Device, mode: Mode, iterations: int, cost, batches: list, start: dict, png: str | None = None) -> dict:
     probe = Stage.of(make_recipe(mode, 1 << 50), cost, split=False)
     cal = calibrate(dev, probe, batches, start)
     activations = int(cal["normal"] + CAPACITY_POINT * (cal["spike"] - cal["normal"]))
@@ -333,6 +343,13 @@ def payoff(dev: Device, mode: Mode, iterations: int, cost, batches: list, start:
     it, mb = FORCED_SPIKE
     schedule[it][mb] = dict.fromkeys(cost.moe_layers, spikes.spike_max_imbalance)
     runs = [PolicyRun(policy, stage, schedule, batches, start, hot=0) for policy in POLICIES]
+    skipped = {a: f"not run: {GPU_ONLY[a]}" for a in ALTERNATIVES if a in GPU_ONLY and not dev.cuda}
+    for alternative in ALTERNATIVES:
+        if alternative not in skipped:
+            try:
+                runs.append(AlternativeRun(alternative, stage, schedule, batches, start, hot=0))
+            except Exception as exc:  # noqa: BLE001 - another library failing to install fails its row alone
+                skipped[alternative] = f"failed to install: {type(exc).__name__}: {exc}"[:200]
     # on a GPU every run's weights and optimizer state stay on the device beside the capacity each
     # run gets (AdamW's two moments come with a run's first step), and the allocator holds `reserve`
     # beyond the saved tensors: the cap is all of it
@@ -344,14 +361,22 @@ def payoff(dev: Device, mode: Mode, iterations: int, cost, batches: list, start:
         ran, peaks = interleave(dev, runs, iterations, mode.budget_s["payoff"], cap)
     finally:
         results = [run.close() for run in runs]
+    failed = [run for run in runs if getattr(run, "error", None)]
+    skipped.update({run.alternative: f"failed: {run.error}" for run in failed})
+    ran_through = [(result, peak) for run, result, peak in zip(runs, results, peaks) if run not in failed]
+    results = [result for result, _ in ran_through]
     rows = summary(results)
-    for row, result, peak in zip(rows, results, peaks):
+    if png:
+        plot_timeline(results, png, activations + stage.static_bytes, spikes.normal_max_imbalance, 2 * mode.micro_batches,
+                      f"gpu_payoff.py on {dev.name}: rank 0 of {EP} expert-parallel ranks (mirrors), activation capacity "
+                      f"{fmt_bytes(activations)}")
+    for row, (result, peak) in zip(rows, ran_through):
         row.update(iteration_s=result.iteration_s, allocator_peak_bytes=peak,
                    oom_iterations=sorted({e.iteration for e in result.timeline if e.oom}))
     spiked = {i: max(max(mb.values()) for mb in schedule[i]) for i in range(ran)}
     return {"iterations": ran, "seconds": time.perf_counter() - began, "calibration": cal, "activation_capacity": activations,
             "reserve_bytes": reserve, "device_cap_bytes": cap, "resident_bytes": resident,
-            "spikes": {i: x for i, x in spiked.items() if x > spikes.normal_max_imbalance}, "policies": rows}
+            "spikes": {i: x for i, x in spiked.items() if x > spikes.normal_max_imbalance}, "policies": rows, "skipped": skipped}
 
 
 def payoff_text(dev: Device, part: dict) -> str:
@@ -370,12 +395,14 @@ def payoff_text(dev: Device, part: dict) -> str:
         [r["policy"], r["steps_completed"], r["ooms"], f"{r['tokens_per_s']:.0f}",
          *("-" if r[k] is None else f"{r[k]:.2f}x" for k in ("vs_full_recompute", "vs_oracle", "vs_unbounded")),
          _spread(r["iteration_s"]), fmt_bytes(r["peak_device_bytes"]),
-         fmt_bytes(r["allocator_peak_bytes"]) if dev.cuda else "-", f"{r['planner_ms_per_micro_batch']:.2f}"]
+         fmt_bytes(r["allocator_peak_bytes"]) if dev.cuda else "-", f"{r['planner_ms_per_micro_batch']:.2f}",
+         r["missed_forwards"] if r["policy"] in PLANNED else "-"]
         for r in part["policies"]
-    ]
+    ] + [[name, *["-"] * 11] for name in part["skipped"]]
     headers = ["policy", "steps", "OOMs", "tokens/s", "vs full recompute", "vs oracle", "vs unbounded",
-               "s/iteration median (min-max)", "activation peak", "allocator peak", "planner ms/mb"]
-    return "\n".join(lines) + "\n" + table(headers, rows)
+               "s/iteration median (min-max)", "activation peak", "allocator peak", "planner ms/mb", "missed forwards"]
+    skipped = "".join(f"\n{name}: {why}" for name, why in part["skipped"].items())
+    return "\n".join(lines) + "\n" + table(headers, rows) + skipped
 
 
 # ---------------------------------------------------------------- 2. tax
@@ -619,16 +646,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="the same steps, small, on the CPU (what CI runs)")
     parser.add_argument("--iterations", type=int, default=None, help="iterations per part at most (default: 40 on a GPU, 3 with --cpu)")
     parser.add_argument("--json", default=None, help="also write every part's numbers as JSON")
+    parser.add_argument("--png", default=None, help="also draw the payoff's device memory, step by step, per policy")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds the parts' time budgets add up to (default: 285 on a GPU, 40 with --cpu), shared as they are")
     args = parser.parse_args(argv)
     if not args.cpu and not torch.cuda.is_available():
         parser.error("--cpu: no CUDA device here; --cpu runs the same steps small on the CPU")
     mode = CPU if args.cpu else GPU
+    if args.budget is not None:
+        if args.budget <= 0:
+            parser.error(f"--budget must be > 0 seconds, got {args.budget}")
+        scale = args.budget / sum(mode.budget_s.values())
+        mode = replace(mode, budget_s={part: scale * s for part, s in mode.budget_s.items()})
     iterations = mode.iterations if args.iterations is None else args.iterations
     if iterations < MIN_ITERATIONS:
         parser.error(f"--iterations must be >= {MIN_ITERATIONS} (iteration {FORCED_SPIKE[0]} spikes), got {iterations}")
     dev = Device(torch.device("cuda", torch.cuda.current_device()) if mode.name == "cuda" else torch.device("cpu"))
     began = time.perf_counter()
-    name = torch.cuda.get_device_name(dev.device) if dev.cuda else "CPU"
+    name = dev.name
     print(f"{name}, torch {torch.__version__}: rank 0 of {EP} expert-parallel ranks, the other {EP - 1} emulated mirrors of it "
           "(the hot rank's memory, compute and plans; the all-to-alls are copies on this device; see the docstring)")
     out = {"device": name, "mode": mode.name, "ep": EP, "model": mode.model, "batch": mode.batch, "micro_batches": mode.micro_batches}
@@ -637,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         batches = [b.to(dev.device) for b in rank_batches(recipe, 0)]
         start = pretrained(Stage.of(recipe, split=False), batches)  # on the batches' device
         cost = model_cost(rank_model(recipe.model, device=dev.device), recipe.hardware)  # the analytic model: the plans'
-        out["payoff"] = payoff(dev, mode, iterations, cost, batches, start)
+        out["payoff"] = payoff(dev, mode, iterations, cost, batches, start, args.png)
         print("\n" + payoff_text(dev, out["payoff"]), flush=True)
         per_iteration = statistics.median(next(r for r in out["payoff"]["policies"] if r["policy"] == "unbounded")["iteration_s"])
         reserve = out["payoff"]["reserve_bytes"]

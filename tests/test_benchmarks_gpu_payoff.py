@@ -39,7 +39,8 @@ def test_every_policy_runs_and_only_adaptive_provisioning_survives_the_spike_fas
     bench, doc, _ = cpu_run
     part = doc["payoff"]
     rows = {r["policy"]: r for r in part["policies"]}
-    assert list(rows) == list(POLICIES)
+    assert list(rows) == [*POLICIES, "hf_checkpointing", "torch_sac"]  # TRL's offloading needs an accelerator
+    assert list(part["skipped"]) == ["trl_offloading"] and part["skipped"]["trl_offloading"].startswith("not run")
     assert part["iterations"] >= bench.MIN_ITERATIONS
     spike_it = bench.FORCED_SPIKE[0]
     assert part["spikes"][str(spike_it)] == pytest.approx(2.6)
@@ -49,13 +50,17 @@ def test_every_policy_runs_and_only_adaptive_provisioning_survives_the_spike_fas
     adaptive, none, oracle, unbounded = (rows[p] for p in ("adaptive", "none", "oracle", "unbounded"))
     assert none["ooms"] >= 1 and spike_it in none["oom_iterations"] and none["steps_completed"] == part["iterations"] - none["ooms"]
     assert rows["static_average"]["ooms"] >= 1
-    for policy in ("adaptive", "oracle", "full_recompute", "static_worst", "unbounded"):
+    for policy in ("adaptive", "oracle", "full_recompute", "static_worst", "unbounded", "hf_checkpointing", "torch_sac"):
         assert rows[policy]["ooms"] == 0 and rows[policy]["steps_completed"] == part["iterations"], policy
     assert adaptive["peak_device_bytes"] <= capacity and oracle["peak_device_bytes"] <= capacity
     assert unbounded["peak_device_bytes"] > capacity  # it kept the spike: nothing enforced
     assert rows["full_recompute"]["peak_device_bytes"] < adaptive["peak_device_bytes"]
+    # whole layers recomputed keep their inputs only; the selective policy keeps more, far less than nothing recomputed
+    assert rows["hf_checkpointing"]["peak_device_bytes"] < rows["torch_sac"]["peak_device_bytes"] < capacity / 2
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and len(r["iteration_s"]) == r["steps_completed"]
+    # the one miss: the emulated skew's index, in the first micro-batch (see the module's docstring)
+    assert adaptive["missed_forwards"] == oracle["missed_forwards"] == 1
     assert adaptive["vs_oracle"] > 0 and adaptive["vs_unbounded"] > 0 and adaptive["planner_ms_per_micro_batch"] > 0
     # a restart is charged: the crashed policies run far slower than any that did not crash
     assert none["tokens_per_s"] < min(rows[p]["tokens_per_s"] for p in ("adaptive", "full_recompute", "unbounded"))
@@ -93,6 +98,7 @@ def test_cpu_mode_prints_one_table_per_part_and_says_what_it_cannot_measure(cpu_
     assert [t[:2] for t in titles] == ["1.", "2.", "3.", "4."]
     assert printed.count("\n---") >= 4  # a table under each
     assert "SimulatedOutOfMemoryError" in printed and "perf_counter" in printed
+    assert "trl_offloading: not run: TRL's OffloadActivations needs an accelerator" in printed
     assert printed.count("not measurable on CPU (no streams)") == 2  # copies under compute need CUDA streams
 
 
@@ -143,3 +149,57 @@ def test_copy_overlap_counts_side_stream_copies_under_any_kernel(bench):
     found = bench.copy_overlap(events)
     assert found["copies"] == 2 and found["copy_ms"] == pytest.approx(0.04) and found["hidden"] == pytest.approx(15 / 40)
     assert bench.copy_overlap(events[:3])["hidden"] is None  # no copies
+
+
+def test_selective_checkpointing_charges_exactly_what_its_cache_keeps(bench):
+    """torch_sac: the outputs torch's cache keeps (no saved-tensor hook sees them) are charged to
+    the Ledger until the region recomputes; the gradients are those of the plain function."""
+    import alternatives
+    from torch.utils.checkpoint import checkpoint
+
+    from bagualu_plugin.runtime.ledger import Ledger
+
+    w1, w2 = (torch.randn(16, 16, requires_grad=True) for _ in range(2))
+    x = torch.randn(8, 16, requires_grad=True)
+
+    def region(x):  # three matmuls: the first and third saved, the relu and the second recomputed
+        return (((x @ w1).relu() @ w2) @ w1).sum(-1)
+
+    ledger = Ledger()
+    with ledger.track():
+        y = checkpoint(region, x, use_reentrant=False, context_fn=alternatives.sac_contexts(lambda: ledger))
+    kept = ledger.live_device_bytes
+    assert kept == 2 * 8 * 16 * 4 + 8 * 16 * 4  # two saved matmul outputs, and the region's input
+    y.sum().backward()
+    grads = [t.grad.clone() for t in (x, w1, w2)]
+    assert ledger.live_device_bytes == 0
+    for t in (x, w1, w2):
+        t.grad = None
+    region(x).sum().backward()
+    assert all(torch.equal(a, t.grad) for a, t in zip(grads, (x, w1, w2)))
+
+
+def test_an_alternative_that_fails_ends_its_own_row(bench, monkeypatch):
+    """Another library's error (not running out of memory) ends that alternative alone: its text is
+    kept for the table, what it installed is taken back, and later iterations skip it."""
+    import alternatives
+
+    from bagualu_plugin.demo.model import rank_batches, rank_model
+    from bagualu_plugin.stage import Stage
+
+    with bench.mirrored(bench.EP):
+        recipe = bench.make_recipe(bench.CPU, 1 << 50)
+        batches, stage = rank_batches(recipe, 0), Stage.of(recipe, split=False)
+        schedule = [[dict.fromkeys(stage.cost.moe_layers, 1.0) for _ in batches]] * 2
+        run = alternatives.AlternativeRun("hf_checkpointing", stage, schedule, batches, rank_model(recipe.model).state_dict(), hot=0)
+        layers = [m for m in run.model.modules() if hasattr(m, "gradient_checkpointing")]
+        assert layers and all(m.gradient_checkpointing for m in layers)
+
+        def broken():
+            raise RuntimeError("a library's own bug")
+
+        monkeypatch.setattr(run, "_forward", broken)
+        run.iteration(0)
+        run.iteration(1)
+        assert run.error == "RuntimeError: a library's own bug" and run.result.steps_completed == 0
+        assert not any(m.gradient_checkpointing for m in layers) and run.runner is None

@@ -85,6 +85,7 @@ class PolicyResult:
     capacity_bytes: int
     forwards: int = 0  # `rank`'s
     planner_s: float = 0.0  # `rank`'s
+    missed_forwards: int = 0  # of `rank`'s latest forwards (`EVENTS_KEPT`), those whose bytes the cost model missed
     timeline: list[TimelineEntry] = field(default_factory=list)  # `rank`'s
     iteration_s: list[float] = field(default_factory=list)  # the job's completed iterations, each the slowest rank's
     restart_s: float = 0.0  # charged for restarts after OOMs (in `seconds`)
@@ -188,7 +189,7 @@ class PolicyRun:
                 stack.enter_context(self._skew(it, mb))
                 if step.kind == "F" and not adaptive:
                     ledger.micro_batch = mb
-                    stack.enter_context(self.runner.forward())
+                    stack.enter_context(self._forward())
                 yield
             if step.kind == "F" and adaptive:
                 event = self.runner.events[-1]  # what Algorithm 1 allowed, with what later warmup
@@ -231,6 +232,10 @@ class PolicyRun:
         result.steps_completed += 1
         result.tokens += stage.tokens * len(self.batches) * self.size
 
+    def _forward(self):
+        """The context of a forward of a policy without plans: the Ledger counts what it saves."""
+        return self.runner.forward()
+
     @contextmanager
     def _skew(self, it: int, mb: int):
         """Iteration `it`'s routing skew of micro-batch `mb` on the hot rank's experts, on every rank."""
@@ -244,6 +249,7 @@ class PolicyRun:
         if isinstance(self.runner, Provisioner):
             self.result.forwards += self.runner.forwards
             self.result.planner_s += self.runner.planner_s
+            self.result.missed_forwards += sum(bool(e.misses) for e in self.runner.events)
         if self.runner is not None:
             self.runner.remove()
             self.runner = None
