@@ -23,6 +23,7 @@ oracle and to the unbounded run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -55,7 +56,7 @@ def _launch(work: Path, recipe: Path, steps: int, out: Path, flags: list[str]) -
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     if done.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -63,7 +64,7 @@ def _row(runs: list[list[dict]]) -> dict:
     first = runs[0]
     for run in runs[1:]:
         if [s["loss"] for s in run] != [s["loss"] for s in first]:
-            raise SystemExit("two rounds of one run trained differently")
+            raise RuntimeError("two rounds of one run trained differently")
     rates = sorted(s["tokens_per_s"] for run in runs for s in run[1:])
     deciles = statistics.quantiles(rates, n=10)
     return {
@@ -85,40 +86,57 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be >= 3 (the first step is left out of tokens/s), got {args.steps}")
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
-    results: dict[str, dict[str, dict]] = {}
+    if importlib.util.find_spec("accelerate") is None:
+        parser.error("accelerate is not installed (pip install 'bagualu-plugin[accelerate]'): every run here is an accelerate launch")
+    results: dict[str, dict] = {}
+    headers = ["run", f"loss, step 0 -> {args.steps - 1}", "peak per step, worst process", "vs capacity", "tokens/s (median)",
+               "p10-p90", "vs oracle", "vs unbounded"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         save_tiny("qwen3_moe", work / "ckpt", num_hidden_layers=4)
         tiny_tokenizer().save_pretrained(work / "ckpt")
         (work / "corpus.txt").write_text("\n".join(" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(40)) for i in range(300)))
-        for layout, sections in LAYOUTS.items():
-            recipe = work / f"{layout}.yaml"
-            recipe.write_text(yaml.safe_dump({**yaml.safe_load(RECIPE.read_text()), **sections}))
-            runs: dict[str, list] = {policy: [] for policy in POLICIES}
-            for r in range(args.rounds):
-                for policy, flags in POLICIES.items():
-                    print(f"{layout} {policy}, round {r + 1} of {args.rounds}", file=sys.stderr, flush=True)
-                    runs[policy].append(_launch(work, recipe, args.steps, work / f"{layout}-{policy}-{r}", flags))
-            results[layout] = {policy: _row(rs) for policy, rs in runs.items()}
-            if len({tuple(row["losses"]) for row in results[layout].values()}) != 1:
-                raise SystemExit(f"{layout}: the policies trained differently: {results[layout]}")
+        for layout, sections in LAYOUTS.items():  # each printed and written as it completes; a failing one fails alone
+            try:
+                results[layout] = _layout(work, layout, sections, args.steps, args.rounds)
+                print(table(headers, _rows(layout, results[layout])), flush=True)
+            except Exception as exc:  # noqa: BLE001 - a launch's failure is its layout's
+                results[layout] = {"failed": f"{type(exc).__name__}: {str(exc).strip()[:4000]}"}
+                print(f"{layout}: failed: {results[layout]['failed']}", file=sys.stderr, flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
+    rows = [row for layout, by_policy in results.items() if "failed" not in by_policy for row in _rows(layout, by_policy)]
+    print("\n" + table(headers, rows) + "".join(f"\n{layout}: failed" for layout, r in results.items() if "failed" in r))
+    return 1 if any("failed" in r for r in results.values()) else 0
 
+
+def _layout(work: Path, layout: str, sections: dict, steps: int, rounds: int) -> dict[str, dict]:
+    """Every policy of one layout, taking turns round by round; they must train alike."""
+    recipe = work / f"{layout}.yaml"
+    recipe.write_text(yaml.safe_dump({**yaml.safe_load(RECIPE.read_text()), **sections}))
+    runs: dict[str, list] = {policy: [] for policy in POLICIES}
+    for r in range(rounds):
+        for policy, flags in POLICIES.items():
+            print(f"{layout} {policy}, round {r + 1} of {rounds}", file=sys.stderr, flush=True)
+            runs[policy].append(_launch(work, recipe, steps, work / f"{layout}-{policy}-{r}", flags))
+    by_policy = {policy: _row(rs) for policy, rs in runs.items()}
+    if len({tuple(row["losses"]) for row in by_policy.values()}) != 1:
+        raise RuntimeError(f"{layout}: the policies trained differently: {by_policy}")
+    return by_policy
+
+
+def _rows(layout: str, by_policy: dict[str, dict]) -> list[list]:
+    oracle, unbounded = by_policy["oracle"]["tokens_per_s"], by_policy["unbounded"]["tokens_per_s"]
     rows = []
-    for layout, by_policy in results.items():
-        oracle, unbounded = by_policy["oracle"]["tokens_per_s"], by_policy["unbounded"]["tokens_per_s"]
-        for policy, row in by_policy.items():
-            losses, peak, capacity = row["losses"], row["peak_device_bytes"], row["capacity_bytes"]
-            rows.append([
-                f"{layout}, {policy}", f"{losses[0]:.4f} -> {losses[-1]:.4f}", f"{peak:,} B",
-                f"{peak / capacity:.2f}x" + (": would not fit" if peak > capacity else ""),
-                f"{row['tokens_per_s']:,.0f}", f"{row['p10']:,.0f}-{row['p90']:,.0f}",
-                f"{row['tokens_per_s'] / oracle:.2f}x", f"{row['tokens_per_s'] / unbounded:.2f}x",
-            ])
-    print(table(["run", f"loss, step 0 -> {args.steps - 1}", "peak per step, worst process", "vs capacity", "tokens/s (median)",
-                 "p10-p90", "vs oracle", "vs unbounded"], rows))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
-    return 0
+    for policy, row in by_policy.items():
+        losses, peak, capacity = row["losses"], row["peak_device_bytes"], row["capacity_bytes"]
+        rows.append([
+            f"{layout}, {policy}", f"{losses[0]:.4f} -> {losses[-1]:.4f}", f"{peak:,} B",
+            f"{peak / capacity:.2f}x" + (": would not fit" if peak > capacity else ""),
+            f"{row['tokens_per_s']:,.0f}", f"{row['p10']:,.0f}-{row['p90']:,.0f}",
+            f"{row['tokens_per_s'] / oracle:.2f}x", f"{row['tokens_per_s'] / unbounded:.2f}x",
+        ])
+    return rows
 
 
 if __name__ == "__main__":

@@ -21,12 +21,17 @@ DeepSpeed ZeRO-2 and ZeRO-3 over 2 processes (its CPU accelerator; `accelerate l
 DeepSpeed's plugin, one launch per copy, the two taking turns step by step). Under ZeRO-3 the
 planner's time includes the ranks' agreement on what they recompute (`parallel.lockstep`).
 
-    python benchmarks/overhead.py [--iterations 8] [--json FILE]   (~30 min on 2 CPU cores)
+    python benchmarks/overhead.py [--iterations 8] [--json FILE] [--only TEXT]   (~30 min on 2 CPU cores)
+
+Each row is printed (and written to the JSON) as it completes; a row whose engine is not installed
+(DeepSpeed, which the README installs apart) is skipped with its reason, and a row that fails fails
+alone: the others run, and the exit status says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -35,6 +40,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -322,45 +329,83 @@ def _zero_worker(name: str, store_port: int, steps: int, out: str) -> None:
         (Path(out) / "planner.json").write_text(json.dumps(_planner(list(callback.provisioner.events)[M:])))
 
 
-def main() -> None:
+def _row(name: str, r: dict) -> dict:
+    """One model's figures: the ratio of the copies' median iterations and its spread, the
+    planner's share of the plugin copy's time."""
+    plugin, plain = (statistics.median(r["times"][k]) for k in ("plugin", "plain"))
+    ratios = [b / a for a, b in zip(r["times"]["plugin"], r["times"]["plain"])]
+    return {"model": name, "seconds_plugin": plugin, "seconds_plain": plain, "tokens_per_s_plugin": r["tokens"] / plugin,
+            "tokens_per_s_plain": r["tokens"] / plain, "ratio": plain / plugin, "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "planner_share": r["planner_s_per_micro_batch"] * r["micro_batches"] / plugin,
+            "mitigated_micro_batches": r["mitigated_micro_batches"]}
+
+
+def _cells(row: dict) -> list:
+    if "ratio" not in row:
+        return [row["model"], *["-"] * 5, row.get("skipped") or row["failed"]]
+    return [row["model"], f"{row['seconds_plugin']:.3f}", f"{row['seconds_plain']:.3f}", f"{row['ratio']:.3f}x",
+            f"{row['ratio_min']:.2f}-{row['ratio_max']:.2f}x", f"{100 * row['planner_share']:.2f}%", row["mitigated_micro_batches"]]
+
+
+HEADERS = ["model", "s/iteration, plugin", "s/iteration, plain", "plugin / plain tokens/s", "per-iteration spread", "planner share",
+           "mitigated mbs"]
+
+
+def measure(rows: list[tuple[str, tuple[str, ...], Callable[[], dict]]], json_path: str | None) -> list[dict]:
+    """Each row in turn: skipped with its reason where an engine it needs is not installed (as the
+    tests skip), its error kept where it fails (the others still run), printed as it completes
+    and written with the rows before it (`json_path`), so that a row that fails late loses nothing
+    measured before it."""
+    out = []
+    for name, needs, run in rows:
+        missing = [module for module in needs if importlib.util.find_spec(module) is None]
+        if missing:
+            out.append({"model": name, "skipped": f"skipped: {', '.join(missing)} not installed"})
+        else:
+            try:
+                out.append(_row(name, run()))
+            except Exception as exc:  # noqa: BLE001 - one row's failure is that row's; the exit status says so
+                traceback.print_exc()
+                out.append({"model": name, "failed": f"failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}"})
+        print(" | ".join(map(str, _cells(out[-1]))), flush=True)
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump(out, f, indent=1)
+    return out
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--iterations", type=int, default=8,
         help=f"measured iterations of each copy (after one warm-up); a Trainer row's is a train() of {STEPS} steps, {STEPS - 1} timed",
     )
-    parser.add_argument("--json", default=None, help="also write the rows as JSON")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON, each as it completes")
+    parser.add_argument("--only", default="", help="measure only the rows whose name contains this text")
     for worker in ("--zero-worker", "--store-port", "--steps", "--out"):  # a ZeRO row's launched process (`_zero`)
         parser.add_argument(worker, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.zero_worker:
-        return _zero_worker(args.zero_worker, int(args.store_port), int(args.steps), args.out)
+        _zero_worker(args.zero_worker, int(args.store_port), int(args.steps), args.out)
+        return 0
     if args.iterations < 1:
         parser.error(f"--iterations must be >= 1, got {args.iterations}")
     demo = bgl.load_recipe("demo")
-    runs = {
-        f"demo GLM-4-MoE, {demo.parallel.ep} EP ranks": run_ranks(_demo_rank, demo.parallel.ep, args.iterations, timeout_s=900)[0],
-        "Qwen3-MoE hidden 512 x 8 layers, 512 tokens/mb": _larger(args.iterations),
-        "the same, HF Trainer + BagualuCallback": _trainer(args.iterations),
-        "the same, Trainer, TRL's collator: a new padded length each micro-batch": _trainer(args.iterations, churn=True),
-        "the same, Trainer, DDP over 2 processes": run_ranks(_trainer_rank, 2, args.iterations, False, timeout_s=900)[0],
-        "the same, Trainer, experts over 2 processes": run_ranks(_trainer_rank, 2, args.iterations, True, timeout_s=900)[0],
-        **{f"the same, Trainer, ZeRO-{stage} over {ZERO_PROCESSES} processes": _zero(stage, args.iterations) for stage in (2, 3)},
-    }
-    rows, out = [], []
-    for name, r in runs.items():
-        plugin, plain = (statistics.median(r["times"][k]) for k in ("plugin", "plain"))
-        share = r["planner_s_per_micro_batch"] * r["micro_batches"] / plugin
-        ratios = [b / a for a, b in zip(r["times"]["plugin"], r["times"]["plain"])]
-        out.append({"model": name, "tokens_per_s_plugin": r["tokens"] / plugin, "tokens_per_s_plain": r["tokens"] / plain,
-                    "ratio": plain / plugin, "planner_share": share, "mitigated_micro_batches": r["mitigated_micro_batches"]})
-        rows.append([name, f"{plugin:.3f}", f"{plain:.3f}", f"{plain / plugin:.3f}x", f"{min(ratios):.2f}-{max(ratios):.2f}x",
-                     f"{100 * share:.2f}%", r["mitigated_micro_batches"]])
-    print(table(["model", "s/iteration, plugin", "s/iteration, plain", "plugin / plain tokens/s",
-                 "per-iteration spread", "planner share", "mitigated mbs"], rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    n = args.iterations
+    rows = [
+        (f"demo GLM-4-MoE, {demo.parallel.ep} EP ranks", (), lambda: run_ranks(_demo_rank, demo.parallel.ep, n, timeout_s=900)[0]),
+        ("Qwen3-MoE hidden 512 x 8 layers, 512 tokens/mb", (), lambda: _larger(n)),
+        ("the same, HF Trainer + BagualuCallback", (), lambda: _trainer(n)),
+        ("the same, Trainer, TRL's collator: a new padded length each micro-batch", ("trl",), lambda: _trainer(n, churn=True)),
+        ("the same, Trainer, DDP over 2 processes", (), lambda: run_ranks(_trainer_rank, 2, n, False, timeout_s=900)[0]),
+        ("the same, Trainer, experts over 2 processes", (), lambda: run_ranks(_trainer_rank, 2, n, True, timeout_s=900)[0]),
+        *[(f"the same, Trainer, ZeRO-{stage} over {ZERO_PROCESSES} processes", ("accelerate", "deepspeed"),
+           lambda stage=stage: _zero(stage, n)) for stage in (2, 3)],
+    ]
+    out = measure([row for row in rows if args.only in row[0]], args.json)
+    print("\n" + table(HEADERS, [_cells(row) for row in out]))
+    return 1 if any("failed" in row for row in out) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

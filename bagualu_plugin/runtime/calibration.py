@@ -109,11 +109,16 @@ class Calibration:
                     ),
                     RuntimeWarning, stacklevel=3,
                 )
-        owners = [op for op in differ if isinstance(op, OpId) and op.layer in cm.blocks]
-        if excess > 0 and owners:
-            op = max(owners, key=lambda op: measured.get(op, 0) - predicted.get(op, 0))
-            return misses, cm.with_saved(op, excess / tokens, kept=plan.get(op, "keep") != "keep")  # mitigated, and kept anyway
-        return misses, cm
+        if excess <= 0:
+            return misses, cm
+        corrected = cm
+        for ops in _by_block(differ).values():  # each block's excess to its op that kept the most beyond
+            beyond = sum(measured.get(op, 0) - predicted.get(op, 0) for op in ops)
+            owners = [op for op in ops if isinstance(op, OpId) and op.layer in cm.blocks]
+            if beyond > 0 and owners:
+                op = max(owners, key=lambda op: measured.get(op, 0) - predicted.get(op, 0))
+                corrected = corrected.with_saved(op, beyond / tokens, kept=plan.get(op, "keep") != "keep")  # mitigated, kept anyway
+        return misses, corrected
 
     def _kind(self, kind: object) -> str:
         return f"{kind} over {self.weights}"

@@ -25,7 +25,7 @@ from contextlib import ExitStack
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from ..adapters import Adapter
+from ..adapters import Adapter, is_inside_backward
 from .chunked_loss import chunked_causal_lm_loss
 
 Region = Callable[[Callable, tuple, dict], torch.Tensor]  # runs forward(*args, **kwargs) as the plan says
@@ -68,7 +68,7 @@ def install_loss_runner(adapter: Adapter, needed: Callable[[], bool], region: Re
         return args, {**kwargs, "logits_to_keep": torch.empty(0, dtype=torch.long, device=lm_head.weight.device)}
 
     def take_hidden(_module, _args, output):
-        if state["armed"]:
+        if state["armed"] and not is_inside_backward():  # a region replaying the norm ahead of backward
             state["hidden"] = output
 
     def disarm(*_):

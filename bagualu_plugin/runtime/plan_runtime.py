@@ -77,6 +77,8 @@ class PlanRuntime:
         self._stack: ExitStack | None = None
         self._forwarding: str | None = None  # inside forward(), only where the plan applies: "stored" or "counted"
         self._arguments_op: OpId | None = None  # the op running before this forward's first decoder layer
+        self._enclosing: list[tuple] = []  # each region module's (pre-hook, hook) handles: `_enclose`
+        self._first: list = []  # the layer arguments' pre-hooks, before any region's
 
     @property
     def plan(self) -> Plan:
@@ -179,12 +181,30 @@ class PlanRuntime:
         stack.callback(unhooked.install().remove)
         stack.callback(a.model.register_forward_pre_hook(self._new_forward).remove)
         if a.decoder.norm is not None:
-            stack.callback(a.decoder.norm.register_forward_pre_hook(lambda *_: self.ledger.end_charges()).remove)
+            stack.callback(a.decoder.norm.register_forward_pre_hook(self._end_charges).remove)
         for part in a.layers:
             # before the layer's own region (a whole-layer recompute) saves its arguments
-            stack.callback(part.module.register_forward_pre_hook(self._layer_inputs, with_kwargs=True, prepend=True).remove)
+            handle = part.module.register_forward_pre_hook(self._layer_inputs, with_kwargs=True, prepend=True)
+            self._first.append(handle)
+            stack.callback(handle.remove)
+        stack.callback(self._enclosing.clear)
+        stack.callback(self._first.clear)
         self._stack = stack
         return self
+
+    def _enclose(self) -> None:
+        """Each region's hooks around every other hook of its module, also those registered since
+        (prepended or not): the region holds what they run, and its replay, a call of the module,
+        runs them again. The layer arguments' hook stays first."""
+        for pre, post in self._enclosing:
+            pre.hooks_dict_ref().move_to_end(pre.id, last=False)
+            post.hooks_dict_ref().move_to_end(post.id)
+        for first in self._first:
+            first.hooks_dict_ref().move_to_end(first.id, last=False)
+
+    def _end_charges(self, *_) -> None:
+        if self._forwarding and not is_inside_backward():
+            self.ledger.end_charges()
 
     def _new_forward(self, *_) -> None:
         if self._forwarding:
@@ -192,35 +212,40 @@ class PlanRuntime:
 
     def _layer_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """The layer arguments are made before the first decoder layer (a later layer's mask
-        too): charged to the op running then."""
-        if self._forwarding:
+        too): charged to the op running then. Not again when a region replays the layer."""
+        if self._forwarding and not is_inside_backward():
             if module is self.adapter.layers[0].module:
                 self._arguments_op = self.tracker.current
             self.hooks.layer_inputs(args, kwargs, self._arguments_op)
 
     def _wrap(self, module: nn.Module, layer: int, unit: tuple[str, ...], stack: ExitStack) -> None:
-        """Run `module` as a recompute region while its unit or span is one: a forward pre-hook
-        opens the region around whatever forward the module has then, a forward hook (always
-        called, also when the forward raises) closes it. Hooks, never a replaced `forward`: other
-        libraries set a module's forward on the instance or its class before or after us
-        (transformers' `kernelize`, at every `train()` / `eval()` where kernels are on; class
-        patches), and removing the hooks takes back exactly what was ours. Regions never nest,
-        so a module that a region's replay runs again ran plainly in the forward; it does so
-        again, whatever the plan is by then (in 1F1B the next micro-batch is planned before this
-        one's backward)."""
+        """Run `module` as a recompute region while its unit or span is one: the first forward
+        pre-hook opens the region, the last forward hook (always called, also when the forward
+        raises) closes it (`_enclose` keeps them so), and the replay calls the module with the
+        arguments it was called with: whatever forward it has then and every hook between ours,
+        another library's or the user's (a logging or noise hook, FSDP2's gathering), run again
+        as the forward ran them. Hooks, never a replaced `forward`: other libraries set a
+        module's forward on the instance or its class before or after us (transformers'
+        `kernelize`, at every `train()` / `eval()` where kernels are on; class patches), and
+        removing the hooks takes back exactly what was ours. Regions never nest, so a module
+        that a region's replay runs again ran plainly in the forward; it does so again, whatever
+        the plan is by then (in 1F1B the next micro-batch is planned before this one's backward)."""
         opened: list[ExitStack | None] = []  # per call of the module, innermost last
 
         def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
             opened.append(None)  # first: `leave` runs also when opening raises
-            opened[-1] = self._open(module, layer, unit, module.forward, args, kwargs)
+            opened[-1] = self._open(module, layer, unit, module, args, kwargs)
 
         def leave(*_) -> None:
             region = opened.pop()
             if region is not None:
                 region.close()
 
-        stack.callback(module.register_forward_pre_hook(enter, with_kwargs=True).remove)
-        stack.callback(module.register_forward_hook(leave, always_call=True).remove)
+        handles = (module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
+                   module.register_forward_hook(leave, always_call=True))
+        self._enclosing.append(handles)
+        for handle in handles:
+            stack.callback(handle.remove)
 
     def _run(self, module: nn.Module, layer: int, unit: tuple[str, ...], forward, args: tuple, kwargs: dict):
         """`forward(*args, **kwargs)`, as a recompute region if the plan makes `unit` one now."""
@@ -319,6 +344,7 @@ class PlanRuntime:
             raise ValueError("PlanRuntime.forward(): call install() first (it puts the op scopes on the model)")
         if refresh:
             self.ledger.refresh_if_changed()  # the model may have moved since (`.cuda()` after the runtime was built)
+        self._enclose()
         self.hooks.new_forward()  # also where no model forward runs (a pipeline stage runs its modules)
         # a plan that keeps or recomputes every op only has its saves counted: the Ledger's own
         # hooks, which skip the plan's per-save lookups (every micro-batch's path at ample memory)
