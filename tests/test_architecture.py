@@ -117,3 +117,125 @@ def test_the_recipe_imports_nothing_above_it():
 
 def test_the_layer_check_finds_a_planner_import():
     assert "planner.dual_batch" in _package_imports("from .planner.dual_batch import check_pipeline\n")
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """The package's modules and the package modules each imports, wherever in it (a function's
+    lazy import and a `TYPE_CHECKING` block included): `from . import x` of a submodule is an
+    edge to that submodule, `from .x import y` to `x` (and to `x.y` where that is a module)."""
+    modules = {_module_name(p, root): p for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - (node.level - 1)] if node.level else []
+                target = ".".join(base + [node.module]) if node.module else ".".join(base)
+                subs = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+                edges |= subs if node.module is None and len(subs) == len(node.names) else subs | ({target} & modules.keys())
+            elif isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names} & modules.keys()
+        graph[name] = edges - {name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_one(tmp_path):
+    package = tmp_path / "bagualu_plugin"
+    (package / "runtime").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "runtime" / "__init__.py").write_text("")
+    (package / "runtime" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n")
+    (package / "runtime" / "b.py").write_text("def f():\n    from . import a\n")
+    assert cycles(import_graph(package)) == [["bagualu_plugin.runtime.a", "bagualu_plugin.runtime.b"]]
+
+
+def private_reads(root: Path = PACKAGE, where: str = "runtime") -> list[str]:
+    """Reads of another class's private attribute in `where`'s modules: `other._name` where
+    `_name` is an attribute or method one of the package's classes defines (as `self._name`, a
+    method, or a class-level name), read outside those classes. Names the tensor, module and
+    storage classes of torch define too (`tensor._version`) are theirs."""
+    import torch
+
+    defined: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        for cls in (n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names = [node.name]
+                elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    names = [node.attr]
+                elif isinstance(node, ast.Assign) and node in cls.body:
+                    names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+                else:
+                    continue
+                for name in names:
+                    if name.startswith("_") and not name.startswith("__"):
+                        defined.setdefault(name, set()).add(cls.name)
+    theirs = (torch.Tensor, torch.nn.Module, torch.UntypedStorage)
+    found = []
+    for path in sorted((root / where).glob("*.py")):
+        tree = ast.parse(path.read_text())
+        classes = {}
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for node in ast.walk(cls):
+                classes.setdefault(node, cls.name)  # the innermost class is met last: outer ones first
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr in defined) or any(hasattr(t, node.attr) for t in theirs):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if classes.get(node) not in defined[node.attr]:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_runtime_object_reads_another_class_private_attributes():
+    assert private_reads() == []
+
+
+def test_the_private_read_check_finds_one(tmp_path):
+    package = tmp_path / "bagualu_plugin"
+    (package / "runtime").mkdir(parents=True)
+    (package / "runtime" / "prov.py").write_text("class Prov:\n    def __init__(self):\n        self._forward = None\n")
+    (package / "runtime" / "bounds.py").write_text(
+        "class Bounds:\n    def before(self, prov):\n        return prov._forward, self._depth, tensor._version\n"
+    )
+    assert private_reads(package) == ["bounds.py:3: prov._forward"]

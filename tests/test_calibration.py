@@ -16,7 +16,7 @@ import bagualu_plugin as bgl
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.runtime import calibration
-from bagualu_plugin.runtime.boundaries import ForwardKind
+from bagualu_plugin.runtime.forward_kind import ForwardKind
 
 BATCH, SEQ, MICRO_BATCHES, STEPS = 2, 32, 2, 3
 EXACT = {"allowed": ["recompute", "offload"]}

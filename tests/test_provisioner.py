@@ -15,8 +15,8 @@ from bagualu_plugin.config import Recipe, load_recipe
 from bagualu_plugin.costmodel import ModelDims, OpId
 from bagualu_plugin.planner import GateDecision, at_gate
 from bagualu_plugin.runtime import Ledger, SimulatedOutOfMemoryError
-from bagualu_plugin.runtime.boundaries import ForwardKind
 from bagualu_plugin.runtime.driver import run_iteration
+from bagualu_plugin.runtime.forward_kind import ForwardKind
 from bagualu_plugin.runtime.provisioner import apply
 from bagualu_plugin.sim import read_trace
 from bagualu_plugin.sim.trace import bucket

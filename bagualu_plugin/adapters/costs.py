@@ -52,7 +52,7 @@ def model_cost(
 ) -> CostModel:
     """The analytic cost model of a supported HF model (`model_dims`) on `hardware` (a preset
     name or a spec, e.g. a recipe's `hardware`), on this rank of its expert-parallel group
-    (`bgl.expert_parallel`) if it has one. Of the micro-batches (`runtime.boundaries.ForwardKind`)
+    (`bgl.expert_parallel`) if it has one. Of the micro-batches (`runtime.forward_kind.ForwardKind`)
     whose attention gets a padding or packing mask, which SDPA keeps (`masked`), whose head is
     TRL's fused one (`fused_head`), whose loss divides by a token count tensor of that many
     bytes (`loss_divisor_bytes`: the Trainer's `num_items_in_batch`), which add the routers'

@@ -37,7 +37,7 @@ from ..adapters import Adapter
 from ..adapters.costs import model_cost
 from ..costmodel import CostModel
 from ..derive import PartialRecipe, derive_recipe
-from ..runtime.boundaries import ForwardKind
+from ..runtime.forward_kind import ForwardKind
 from ..runtime.ledger import Ledger
 from ..runtime.provisioner import Provisioner
 from ..runtime.static_memory import StaticMemory

@@ -7,7 +7,7 @@ pairs; the simulator (`sim.systems`) with the cost model's bytes and a routing t
 through this one class.
 
 A rank may plan several cost models, one per `key`: the model chunks of interleaved 1F1B (§VI-A)
-in the simulator, the kinds of forward a trainer runs (`runtime.boundaries.ForwardKind`) in the
+in the simulator, the kinds of forward a trainer runs (`runtime.forward_kind.ForwardKind`) in the
 Provisioner. Each key's plans come from one `PathPlanner`, whatever the shape: a few paths of
 Algorithm 2 computed on forms of the shape, answered in buckets of 1/16 of M0 and of the balanced
 routing, with each plan's gates read off forms too. A trainer that pads each micro-batch to its

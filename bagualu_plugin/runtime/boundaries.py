@@ -18,23 +18,39 @@ micro-batch abandons it (`Provisioner.abandon`) and begins a new optimizer step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from ..adapters import is_inside_backward
-from ..adapters.costs import DTYPES
-from .ledger import _storage
+from .forward_kind import ForwardKind, autocast_dtype, forward_kind, varlen_bytes
+from .outputs import UNCOMPILED, compiled, grad_fns
 
-if TYPE_CHECKING:
-    from .provisioner import Provisioner
+
+class MicroBatches(Protocol):
+    """What the boundaries need of the adaptive system (the `Provisioner`): its model and device,
+    the micro-batches of an optimizer step, and each micro-batch's forward and backward begun,
+    ended or abandoned."""
+
+    runtime: object  # its `adapter` holds the model and its decoder
+    ledger: object  # its `device`
+    recipe: object  # its `pipeline.micro_batches`
+
+    @property
+    def running_kind(self) -> ForwardKind | None: ...
+    def awaits_backward(self, mb: int | None = None) -> bool: ...
+    def rekind(self, kind: ForwardKind) -> None: ...
+    def begin_forward(self, mb: int, tokens: int, seq_len: int, **kw) -> object: ...
+    def end_forward(self, mb: int) -> int: ...
+    def end_backward(self, mb: int) -> int: ...
+    def abandon(self) -> None: ...
 
 
 class Boundaries:
-    def __init__(self, provisioner: Provisioner, autocast: str | None = None):
+    def __init__(self, provisioner: MicroBatches, autocast: str | None = None):
         """`autocast`: the dtype of the autocast the model's forward enters itself (accelerate's
         wrapper, for the Trainer's bf16=True or fp16=True), which its pre-hooks cannot see; else
         learnt at the first forward's decoder."""
@@ -71,7 +87,7 @@ class Boundaries:
             raise RuntimeError(UNCOMPILED)
         self._depth += 1
         prov = self._prov
-        if self._depth > 1 or self._explicit or prov._forward is not None:
+        if self._depth > 1 or self._explicit or prov.running_kind is not None:
             return  # nested, or a micro-batch someone else began
         if not torch.is_grad_enabled() or is_inside_backward() or not _trainable(model):
             return
@@ -83,23 +99,23 @@ class Boundaries:
     def _autocast(self, decoder: nn.Module, args: tuple) -> None:
         """At the decoder, inside whatever wraps the model's forward, before anything is saved:
         autocast entered there (by accelerate, for the Trainer's bf16=True or fp16=True) or no
-        longer entered corrects the running forward's kind (`Provisioner._rekind`) and is
+        longer entered corrects the running forward's kind (`Provisioner.rekind`) and is
         expected of the next."""
-        f = self._prov._forward
-        if f is None:
+        kind = self._prov.running_kind
+        if kind is None:
             return
         now = self._running()
         if not self._outside:
             self._inner = now
-        if f.kind.autocast != now:
-            self._prov._rekind(f.kind._replace(autocast=now))
+        if kind.autocast != now:
+            self._prov.rekind(kind._replace(autocast=now))
 
     def _after(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:
         self._depth -= 1
         if self._depth or self._began is None:
             return
         mb, self._began = self._began, None
-        roots = _grad_fns(output)  # None output: the forward raised (always_call)
+        roots = grad_fns(output)  # None output: the forward raised (always_call)
         if output is None or not roots:
             self._drop()
             return
@@ -119,14 +135,14 @@ class Boundaries:
             fn.register_prehook(backward_started)
 
     def _backward_ended(self, mb: int, token: object) -> None:
-        if token is self._awaited and mb in self._prov._awaiting_backward:
+        if token is self._awaited and self._prov.awaits_backward(mb):
             self._awaited = None
             self._prov.end_backward(mb)
             self.index = (mb + 1) % self._prov.recipe.pipeline.micro_batches
 
     def _fresh(self) -> None:
         """Before a micro-batch begins: an earlier one whose outputs never went backward is dropped."""
-        if self._prov._awaiting_backward:
+        if self._prov.awaits_backward():
             self._drop()
 
     def _drop(self) -> None:
@@ -198,98 +214,3 @@ def _shape(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
         f"bagualu: a training forward of {type(model).__name__} got neither input_ids (batch, sequence) nor inputs_embeds "
         "(batch, sequence, hidden): each micro-batch is planned for its shape"
     )
-
-
-class ForwardKind(NamedTuple):
-    """How a micro-batch's forward runs, where that changes what it keeps: its attention given a
-    mask (SDPA then keeps it, and repeats keys and values under grouped-query attention), its
-    head TRL's fused one (no logits), the token count its loss divides by, the routers'
-    load-balancing loss, the dtype of the autocast it runs under ("bf16" or "fp16": linears,
-    matmuls and attention then compute on copies in it of whatever operands are in another
-    dtype, the weights' included, and keep those), whether it computes its loss (labels given;
-    else the caller's loss runs on its logits after it). Each kind has its own cost model
-    (`adapters.costs.model_cost`)."""
-
-    masked: bool = False
-    fused_head: bool = False
-    loss_divisor_bytes: int = 0
-    router_aux_loss: str = "none"
-    autocast: str | None = None
-    loss: bool = True
-
-    def __str__(self) -> str:
-        """The kind in words, for messages."""
-        aux = {
-            "all_tokens": "the routers' load-balancing loss",
-            "attention_mask": "the routers' load-balancing loss over the attention mask",
-        }
-        parts = [
-            "masked attention" * self.masked,
-            "TRL's fused head" * self.fused_head,
-            f"a loss divisor of {self.loss_divisor_bytes} bytes" if self.loss_divisor_bytes else "",
-            aux.get(self.router_aux_loss, ""),
-            f"{self.autocast} autocast" if self.autocast else "",
-            "" if self.loss else "no labels",
-        ]
-        return ", ".join(part for part in parts if part) or "a plain forward"
-
-
-def autocast_dtype(dtype: torch.dtype) -> str:
-    """The cost model's name of an autocast dtype; another is an error naming the supported."""
-    name = DTYPES.get(dtype)
-    if name not in ("bf16", "fp16"):
-        raise ValueError(f"autocast to {dtype} is not modelled; expected torch.bfloat16 or torch.float16")
-    return name
-
-
-def forward_kind(kwargs: dict) -> ForwardKind:
-    """The kind of a forward called with `kwargs`. Masked: padding in `attention_mask`, a mask of
-    the caller's own, or several sequences packed in a row (position ids that restart), as
-    transformers' mask functions decide. Fused head: `fused_lm_head=True` (TRL's SFTTrainer).
-    Loss divisor: the bytes of a `num_items_in_batch` tensor (the Trainer's), which the loss keeps.
-    Router aux loss: `output_router_logits=True` (TRL asks for it), over a given attention mask or all tokens.
-    Loss: `labels` given."""
-    mask, positions, items = kwargs.get("attention_mask"), kwargs.get("position_ids"), kwargs.get("num_items_in_batch")
-    masked = isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask.all()))
-    packed = isinstance(positions, torch.Tensor) and positions.dim() == 2 and bool((positions[:, 1:] <= positions[:, :-1]).any())
-    divisor = items.untyped_storage().nbytes() if isinstance(items, torch.Tensor) else 0
-    aux = "none" if kwargs.get("output_router_logits") is not True else "all_tokens" if mask is None else "attention_mask"
-    loss = kwargs.get("labels") is not None
-    return ForwardKind(masked or packed, kwargs.get("fused_lm_head") is True, divisor, aux, loss=loss)
-
-
-VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx")  # flash-attention's varlen arguments, through every layer
-
-
-def varlen_bytes(kwargs: dict) -> int:
-    """The bytes of the varlen arguments a forward is given (TRL's padding-free packing passes
-    them: each text's start and a text index per token), each storage once: the layers receive
-    them, and a recompute region holding a layer's arguments keeps them; the cost model does not
-    know their size, which depends on how many texts are packed."""
-    storages = dict(found for name in VARLEN if isinstance(kwargs.get(name), torch.Tensor) and (found := _storage(kwargs[name])))
-    return sum(storages.values())
-
-
-COMPILED = "CompiledFunctionBackward"  # the autograd node of a graph torch.compile made (AOTAutograd's)
-UNCOMPILED = (
-    "bagualu: the model's training forward ran under torch.compile, whose graphs take in the plugin's op scopes and "
-    "recompute regions and save what their own partitioner chooses, not what the plan says: train the model "
-    "uncompiled with the plugin, or compile it without the plugin"
-)
-
-
-def compiled(output) -> bool:
-    """Whether torch.compile made the graph of a forward that returned `output`: it is refused at
-    the forward's end (`UNCOMPILED`), before any replay, wherever the plugin finds that end (the
-    model's hook, `micro_batch()`, the 1F1B driver)."""
-    return any(type(fn).__name__ == COMPILED for fn in _grad_fns(output))
-
-
-def _grad_fns(output) -> list:
-    """The distinct autograd nodes of the tensors a forward returned (a ModelOutput's fields)."""
-    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else [output]
-    nodes = {}
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-            nodes[id(value.grad_fn)] = value.grad_fn
-    return list(nodes.values())

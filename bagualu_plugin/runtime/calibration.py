@@ -78,7 +78,7 @@ class Calibration:
         """The misses of one forward of `kind` (its bytes per op `measured`, its gates' `routed`),
         and `cm` corrected where it kept more (`cm` itself otherwise). `ids_view_bytes`: what its
         token ids keep beyond themselves (`Provisioner._ids_view_bytes`); `varlen_bytes`: the
-        varlen arguments its layers receive (`runtime.boundaries.varlen_bytes`), kept where a
+        varlen arguments its layers receive (`runtime.forward_kind.varlen_bytes`), kept where a
         region holds the layer arguments; both the embedding's.
         The forward's total decides:
         where two ops save one storage it may be charged to either, and what the layers receive

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ..costmodel.pipeline import Step, fused_points
-from .boundaries import UNCOMPILED, compiled
 from .dual_batch import DualBatchExecutor, StagePieces
+from .outputs import UNCOMPILED, compiled
 from .provisioner import Provisioner
 
 

@@ -92,12 +92,12 @@ class SavedTensorHooks:
         strategy = self.plan.strategy(op) if op is not None else "keep"
         found = _storage(tensor)
         if found is None or strategy in ("keep", "recompute") or isinstance(tensor, torch.nn.Parameter) or self.ledger.is_static(found[0]):
-            return self._keep(tensor, found)  # recompute: a held region input; parameters stay
+            return self.keep(tensor, found)  # recompute: a held region input; parameters stay
         key, nbytes = found
         if strategy == "offload" and nbytes < self.options.offload_min_bytes:
-            return self._keep(tensor, found)
+            return self.keep(tensor, found)
         if strategy == "fp8" and not tensor.is_floating_point():
-            return self._keep(tensor, found)
+            return self.keep(tensor, found)
         form, stored = self._form(key)
         if form == "keep":  # another saver keeps it on the device: share that copy
             return "keep", self.ledger.pack(tensor, found)
@@ -126,7 +126,7 @@ class SavedTensorHooks:
         copy.on_restore = group.prefetch_before
         return copy
 
-    def _keep(self, tensor: torch.Tensor, found):
+    def keep(self, tensor: torch.Tensor, found):
         """Keep `tensor` on the device; a copy an earlier saver made of it goes (the path of every
         save where nothing is mitigated: one dictionary read beyond the Ledger's count)."""
         packed = self.ledger.pack(tensor, found)

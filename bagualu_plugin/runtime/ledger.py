@@ -109,30 +109,6 @@ def model_device(tensors: Iterable[torch.Tensor]) -> torch.device:
 _storage_of, _pointer, _device_of = torch.Tensor.untyped_storage, torch.UntypedStorage.data_ptr, torch.Tensor.get_device
 
 
-def _watch(ledger: Ledger, module: nn.Module) -> None:
-    """`ledger._gathered[module]`: the storages of `module`'s parameters from its forward pre-hook
-    to the end of its forward. The hooks hold the ledger weakly and remove themselves once it is
-    gone, so a model outlives the ledgers made for it without keeping them or their hooks."""
-    ref, handles = weakref.ref(ledger), []
-
-    def hook(gathered: bool):
-        def run(m: nn.Module, *_) -> None:
-            owner = ref()
-            if owner is None:
-                for handle in handles:
-                    handle.remove()
-            elif gathered:
-                owner._gathered[m] = frozenset(found[0] for p in m.parameters() if (found := _storage(p)) is not None)
-            else:
-                owner._gathered.pop(m, None)
-
-        return run
-
-    # always called: a recompute that stops early (once it has what backward needs) leaves the
-    # module's forward by an exception, and its storages, freed by the engine, must not stay excluded
-    handles += [module.register_forward_pre_hook(hook(True)), module.register_forward_hook(hook(False), always_call=True)]
-
-
 def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int] | None:
     """(key, nbytes) of the storage behind ``tensor``; None when it holds no real memory.
 
@@ -185,8 +161,7 @@ def _registered(module: nn.Module, _name: str, _value: object) -> None:
     """torch's global hook on every parameter, buffer and submodule registered (`__setattr__`,
     `register_*`): the ledgers whose model holds `module` walk it again."""
     for ledger in tuple(_ledgers):
-        if module in ledger._tree:
-            ledger._stale = True
+        ledger.notice(module)
 
 
 for _register in (_module.register_module_parameter_registration_hook, _module.register_module_buffer_registration_hook,
@@ -300,6 +275,39 @@ class Ledger:
         self._host_apart = self.device.type != "cpu"  # saved CPU tensors are host memory
         self._watch_engines(modules)
 
+    def notice(self, module: nn.Module) -> None:
+        """A parameter, buffer or submodule was registered on `module`: walk the model again at the
+        next check if it holds `module`."""
+        if module in self._tree:
+            self._stale = True
+
+    def _watch(self, module: nn.Module) -> None:
+        """`_gathered[module]`: the storages of `module`'s parameters from its forward pre-hook to
+        the end of its forward. The hooks hold the ledger weakly and remove themselves once it is
+        gone, so a model outlives the ledgers made for it without keeping them or their hooks."""
+        ref, handles = weakref.ref(self), []
+
+        def hook(gathered: bool):
+            def run(m: nn.Module, *_) -> None:
+                ledger = ref()
+                if ledger is None:
+                    for handle in handles:
+                        handle.remove()
+                else:
+                    ledger._gather(m, gathered)
+
+            return run
+
+        # always called: a recompute that stops early (once it has what backward needs) leaves the
+        # module's forward by an exception, and its storages, freed by the engine, must not stay excluded
+        handles += [module.register_forward_pre_hook(hook(True)), module.register_forward_hook(hook(False), always_call=True)]
+
+    def _gather(self, module: nn.Module, gathered: bool) -> None:
+        if gathered:
+            self._gathered[module] = frozenset(found[0] for p in module.parameters() if (found := _storage(p)) is not None)
+        else:
+            self._gathered.pop(module, None)
+
     def refresh_if_changed(self) -> bool:
         """`refresh()` if a parameter or buffer may have changed since the last walk; whether it
         walked. Every change to the model's static storages is one of: a parameter, buffer or
@@ -335,7 +343,7 @@ class Ledger:
                 continue
             if isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
                 self._watched.add(module)
-                _watch(self, module)
+                self._watch(module)
 
     # ------------------------------------------------------------------ recording
 

@@ -33,6 +33,7 @@ from ..costmodel.plan import Block, Plan
 from .head import install_loss_runner
 from .hooks import SavedTensorHooks
 from .ledger import Ledger, _storage
+from .patches import Patches
 from .regions import SpanSaves, bagualu_experts, region
 from .replay import top_hooks
 from .storage import HostPool
@@ -77,7 +78,10 @@ class PlanRuntime:
         self._stack: ExitStack | None = None
         self._forwarding: str | None = None  # inside forward(), only where the plan applies: "stored" or "counted"
         self._arguments_op: OpId | None = None  # the op running before this forward's first decoder layer
-        self._enclosing: list[tuple] = []  # each region module's (pre-hook, hook) handles: `_enclose`
+        self._enclosing: list[tuple] = []  # each region module with its (pre-hook, hook) handles: `_enclose`
+        self.patches: Patches | None = None  # what other libraries changed on the model, checked at each forward
+        self._called: set[nn.Module] = set()  # the experts called in this forward, and those that ran our expert ops
+        self._dispatched: set[nn.Module] = set()
         self._first: list = []  # the layer arguments' pre-hooks, before any region's
 
     @property
@@ -171,6 +175,7 @@ class PlanRuntime:
             if part.experts is not None:
                 setattr(part.experts, RUNNER_ATTR, self._runner(part.index))
                 stack.callback(delattr, part.experts, RUNNER_ATTR)
+                stack.callback(part.experts.register_forward_pre_hook(self._experts_called).remove)
         # the op scopes and the plan's module hooks, once: they do nothing outside forward()
         self.tracker.install()
         stack.callback(self.tracker.remove)
@@ -189,6 +194,9 @@ class PlanRuntime:
             stack.callback(handle.remove)
         stack.callback(self._enclosing.clear)
         stack.callback(self._first.clear)
+        hooked = [a.model, a.decoder.norm, *(module for module, _, _ in self._enclosing), *(part.module for part in a.layers),
+                  *(part.experts for part in a.layers)]
+        self.patches = Patches(a, [module for module in hooked if module is not None])
         self._stack = stack
         return self
 
@@ -196,11 +204,15 @@ class PlanRuntime:
         """Each region's hooks around every other hook of its module, also those registered since
         (prepended or not): the region holds what they run, and its replay, a call of the module,
         runs them again. The layer arguments' hook stays first."""
-        for pre, post in self._enclosing:
+        for _, pre, post in self._enclosing:
             pre.hooks_dict_ref().move_to_end(pre.id, last=False)
             post.hooks_dict_ref().move_to_end(post.id)
         for first in self._first:
             first.hooks_dict_ref().move_to_end(first.id, last=False)
+
+    def _experts_called(self, experts: nn.Module, *_) -> None:
+        if self._forwarding and not is_inside_backward():
+            self._called.add(experts)
 
     def _end_charges(self, *_) -> None:
         if self._forwarding and not is_inside_backward():
@@ -243,7 +255,7 @@ class PlanRuntime:
 
         handles = (module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
                    module.register_forward_hook(leave, always_call=True))
-        self._enclosing.append(handles)
+        self._enclosing.append((module, *handles))
         for handle in handles:
             stack.callback(handle.remove)
 
@@ -307,7 +319,7 @@ class PlanRuntime:
         op, any of which the plan may offload)."""
         if top_hooks()[0] != self.hooks.pack:
             return nullcontext()
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.hooks._keep(t, _storage(t)), self.hooks.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.hooks.keep(t, _storage(t)), self.hooks.unpack)
 
     def _runner(self, layer: int):
         """The experts' runner: the routed experts (`EXPERT_OPS`) or one expert op, as a region
@@ -317,6 +329,9 @@ class PlanRuntime:
         wrapped = self.adapter.layers[layer].wrapped
 
         def run(unit, op, experts, *args, **kwargs):
+            if self._forwarding:
+                self._dispatched.add(experts)
+
             def forward(*a, **kw):
                 with adapted_weights(wrapped):
                     return op(experts, *a, **kw)
@@ -344,6 +359,7 @@ class PlanRuntime:
             raise ValueError("PlanRuntime.forward(): call install() first (it puts the op scopes on the model)")
         if refresh:
             self.ledger.refresh_if_changed()  # the model may have moved since (`.cuda()` after the runtime was built)
+        self.patches.check(self.ledger.modules)
         self._enclose()
         self.hooks.new_forward()  # also where no model forward runs (a pipeline stage runs its modules)
         # a plan that keeps or recomputes every op only has its saves counted: the Ledger's own
@@ -353,7 +369,11 @@ class PlanRuntime:
             stack.enter_context(self._flag("stored" if saves is self.hooks else "counted"))
             stack.enter_context(bagualu_experts(self.adapter.config))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saves.pack, saves.unpack))
+            self._called.clear()
+            self._dispatched.clear()
             yield self.ledger
+            if self._called - self._dispatched:  # experts whose forward in force never ran the plugin's ops
+                self.patches.undispatched([m for m in self._called if m not in self._dispatched])
 
     @contextmanager
     def _flag(self, saves: str) -> Iterator[None]:

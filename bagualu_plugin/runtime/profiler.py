@@ -109,9 +109,9 @@ class _ForwardClock:
         self.seconds: dict[OpId, float] = {}
         self.order: list[OpId] = []
         self._last: tuple[OpId, float] | None = None
-        tracker.listeners.append(self._enter)
+        tracker.listeners.append(self.enter)
 
-    def _enter(self, op: OpId) -> None:
+    def enter(self, op: OpId) -> None:
         now = self._close()
         if op not in self.seconds:
             self.order.append(op)
@@ -288,7 +288,7 @@ def _measure(model, adapter: Adapter, tracker: OpTracker, monitor: GateMonitor, 
             loss = _forward(model, ids, labels)
             clock.stop()
         finally:
-            tracker.listeners.remove(clock._enter)
+            tracker.listeners.remove(clock.enter)
         loss.backward()
         del loss
         forward.append(clock.seconds)

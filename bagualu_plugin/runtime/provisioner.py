@@ -48,8 +48,9 @@ from ..planner.decider import Decider, Deferral, Escalation, Foresight, Forward
 from ..planner.gate import GatePlan, escalated_block
 from ..stage import Stage, mitigation_options
 from ..units import fmt_bytes
-from .boundaries import Boundaries, ForwardKind
+from .boundaries import Boundaries
 from .calibration import Calibration, Expected, Miss, gate_pairs
+from .forward_kind import ForwardKind
 from .ledger import Ledger, SimulatedOutOfMemoryError, _storage
 from .plan_runtime import PlanRuntime
 from .static_memory import StaticMemory
@@ -109,7 +110,7 @@ class Event:
     point: Point | None = None  # the fused scheduling point it began (runtime.dual_batch), if any
     routed: dict[int, int] = field(default_factory=dict)  # local routed pairs at each MoE layer's gate
     balanced_pairs: float = 0.0  # what balanced routing brings each MoE layer: `routed` / this is its imbalance
-    kind: dict = field(default_factory=dict)  # how its forward ran (`runtime.boundaries.ForwardKind`)
+    kind: dict = field(default_factory=dict)  # how its forward ran (`runtime.forward_kind.ForwardKind`)
     misses: list[Miss] = field(default_factory=list)  # ops that kept other bytes than predicted (`runtime.calibration`)
     ids_view_bytes: int = 0  # what its token ids keep beyond themselves: the larger tensor they are a view of (planned for)
     varlen_bytes: int = 0  # flash-attention's varlen arguments its layers receive (TRL's packing; planned for)
@@ -204,7 +205,7 @@ class Provisioner:
         engine = budget.fsdp or budget.shard_gradients or budget.offload_optimizer or budget.engine_buffer_bytes
         measured = budget.non_activation_bytes == "auto" and not engine
         self.static = StaticMemory(adapter.model, self.ledger) if measured else None
-        # the cost model of each kind of forward (`runtime.boundaries.ForwardKind`: attention with a
+        # the cost model of each kind of forward (`runtime.forward_kind.ForwardKind`: attention with a
         # mask, TRL's fused head), the decider's, built when the first micro-batch of that kind
         # comes (`_add`); a given cost model has no twins
         first = cost or model_cost(model, recipe.hardware, **kind._asdict())
@@ -352,7 +353,7 @@ class Provisioner:
         token ids the model is given, when the caller has them: a view of a larger tensor (a
         micro-batch sliced from a batch) keeps all of it through the embedding's saved ids, which
         the plan makes room for (`_ids_view_bytes`). `varlen_bytes`: the storages of the varlen
-        arguments the model is given (`runtime.boundaries.varlen_bytes`: TRL's padding-free
+        arguments the model is given (`runtime.forward_kind.varlen_bytes`: TRL's padding-free
         packing), which a region holding the layer arguments keeps: made room for too. Returns
         the micro-batch's event, which its forward and backward complete."""
         if self._forward is not None:
@@ -417,11 +418,23 @@ class Provisioner:
         event.planner_s = time.perf_counter() - start
         return event
 
-    def _rekind(self, kind: ForwardKind) -> None:
+    @property
+    def running_kind(self) -> ForwardKind | None:
+        """The kind of the forward running now (between `begin_forward` and `end_forward`); None
+        when none is."""
+        return None if self._forward is None else self._forward.kind
+
+    def awaits_backward(self, mb: int | None = None) -> bool:
+        """Whether micro-batch `mb`'s forward has ended and its backward not (`mb` None: any's)."""
+        return bool(self._awaiting_backward) if mb is None else mb in self._awaiting_backward
+
+    def rekind(self, kind: ForwardKind) -> None:
         """The running forward is of `kind` after all: autocast entered inside the model's forward
         (accelerate's wrapper), seen at its decoder before it saved anything. Its gates and the
         check after it measure it as one; its plan stays (the model's pre-hooks armed for it)."""
         f = self._forward
+        if f is None:
+            raise ValueError("rekind: no forward is running")
         e = f.event
         self._grow(e.micro_batch, e.tokens, e.seq_len, kind)
         f.kind, e.kind = kind, kind._asdict()

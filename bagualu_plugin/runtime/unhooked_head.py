@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .boundaries import _grad_fns
 from .ledger import Ledger, _storage
+from .outputs import grad_fns
 from .replay import top_hooks
 
 
@@ -105,7 +105,7 @@ class UnhookedHead:
         self._before_count()
         # ZeRO-3 keeps small parameters whole (its persistence threshold): the saved LM head weight may be one
         params = {found[0] for p in self._model.parameters() if (found := _storage(p)) is not None}
-        seen, todo = {}, _grad_fns(output)  # held while walking: a wrapper's id is not reused
+        seen, todo = {}, grad_fns(output)  # held while walking: a wrapper's id is not reused
         while todo:
             node = todo.pop()
             if node is None or id(node) in seen or type(node).__name__ == "AccumulateGrad" or node._sequence_nr() < mark:
