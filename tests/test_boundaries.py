@@ -180,12 +180,26 @@ def test_a_step_that_raises_leaves_nothing_behind():
     model(input_ids=ids, labels=ids).loss.backward()
     with pytest.raises(ValueError, match="batch_size"):
         model(input_ids=ids, labels=ids[:, :5])  # labels of the wrong length: HF's loss raises inside the forward
-    assert prov._forward is None and top_hooks() == (same, same) and not prov.runtime._forwarding  # no saved-tensor hooks
+    assert prov.running_kind is None and top_hooks() == (same, same) and not prov.runtime._forwarding  # no saved-tensor hooks
     loss = model(input_ids=ids, labels=ids).loss  # raises after its forward: its backward never comes
     del loss
     model(input_ids=ids, labels=ids).loss.backward()
     assert [e.micro_batch for e in prov.events] == [0, 0]  # each a new optimizer step's first
-    assert not prov._awaiting_backward and prov.ledger.live_device_bytes == 0
+    assert not prov.awaits_backward() and prov.ledger.live_device_bytes == 0
+    prov.remove()
+
+
+def test_the_figures_count_the_micro_batches_since_the_last_call_an_abandoned_one_aside():
+    model = _model()
+    prov = bgl.apply(model, {"hardware": {"capacity_bytes": _capacity(model)}, "strategies": EXACT, "pipeline": {"micro_batches": M}})
+    ids = _batches()[0][0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    loss = model(input_ids=ids, labels=ids).loss  # its forward ends; its backward never comes
+    assert prov.figures()["bagualu/micro_batches"] == 2  # reported while it awaited its backward
+    del loss
+    for _ in range(3):
+        model(input_ids=ids, labels=ids).loss.backward()  # the first abandons the one that never went backward
+    assert prov.figures()["bagualu/micro_batches"] == 3 and prov.figures()["bagualu/micro_batches"] == 0
     prov.remove()
 
 

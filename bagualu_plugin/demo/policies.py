@@ -85,7 +85,7 @@ class PolicyResult:
     capacity_bytes: int
     forwards: int = 0  # `rank`'s
     planner_s: float = 0.0  # `rank`'s
-    missed_forwards: int = 0  # of `rank`'s latest forwards (`EVENTS_KEPT`), those whose bytes the cost model missed
+    missed_forwards: int = 0  # of `rank`'s latest forwards (`runtime.telemetry.EVENTS_KEPT`), those whose bytes the cost model missed
     timeline: list[TimelineEntry] = field(default_factory=list)  # `rank`'s
     iteration_s: list[float] = field(default_factory=list)  # the job's completed iterations, each the slowest rank's
     restart_s: float = 0.0  # charged for restarts after OOMs (in `seconds`)

@@ -55,7 +55,8 @@ from ..costmodel.plan import Plan
 from ..parallel.expert import Waits, beside
 from ..planner.dual_batch import CLASSES, Schedule, ScheduleCache
 from . import pieces
-from .provisioner import Event, Point, Provisioner
+from .provisioner import Provisioner
+from .telemetry import Event, Point
 
 Around = Callable[[str, int], AbstractContextManager]  # (class "F" or "B", micro-batch) -> context
 

@@ -20,17 +20,12 @@ processes (ZeRO-3, FSDP), the ranks recompute in lockstep (`parallel.lockstep`).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import warnings
-import weakref
-from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
-from typing import TextIO
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -44,80 +39,22 @@ from ..costmodel.graph import COLLECTIVE_OPS, OpId
 from ..derive import derive_recipe
 from ..parallel.expert import any_rank, expert_group
 from ..parallel.lockstep import lockstep_group, recomputed_anywhere
-from ..planner.decider import Decider, Deferral, Escalation, Foresight, Forward
+from ..planner.decider import Decider, Foresight, Forward
 from ..planner.gate import GatePlan, escalated_block
 from ..stage import Stage, mitigation_options
 from ..units import fmt_bytes
 from .boundaries import Boundaries
-from .calibration import Calibration, Expected, Miss, gate_pairs
+from .calibration import Calibration, Expected, gate_pairs
 from .forward_kind import ForwardKind
 from .ledger import Ledger, SimulatedOutOfMemoryError, _storage
 from .plan_runtime import PlanRuntime
 from .static_memory import StaticMemory
+from .telemetry import Event, EventLog
 
-EVENTS_KEPT = 4096  # events held in memory; the telemetry file has them all
 INSTALLED_ATTR = "_bagualu_provisioner"  # on the HF model while a Provisioner is installed
 
 
 _COLLECTIVE = frozenset(COLLECTIVE_OPS)
-
-
-@dataclass(frozen=True)
-class Point:
-    """A fused steady scheduling point F_x B_y as it ran (paper §V-B, `runtime.dual_batch`): y, the
-    micro-batch recovered ahead (None: none), the (class, stage) items in the order they ran (one
-    run beside an all-to-all of x's forward comes before that forward piece ends), the DP's
-    predicted time and the classes' serial time, whether every block's schedule came from the
-    cache, the seconds finding it took, the items run beside an all-to-all of x's forward, and
-    those all-to-alls: how many, and the seconds x waited on them once the work beside them had run."""
-
-    backward: int
-    recovered: int | None
-    order: list[str]
-    predicted_s: float
-    serial_s: float
-    cache_hit: bool
-    solve_s: float
-    beside: list[str]
-    exchanges: int
-    waited_s: float
-
-
-@dataclass
-class Event:
-    """One forward micro-batch, as the telemetry file has it (one JSON object per line, these
-    fields in this order). Complete once its backward has run."""
-
-    micro_batch: int
-    phase: str
-    budget: int
-    predicted: float
-    plan: dict[str, str]
-    escalations: list[Escalation]
-    deferred: list[Deferral]
-    tokens: int
-    seq_len: int
-    room_bytes: float = 0.0  # room beyond what it keeps, counted in its budget: its backward's reloads, or a moment's saves (Footprint)
-    planner_s: float = 0.0  # its budget, plan and their install (begin_forward past its model checks), and each gate's decision
-    capacity: int = 0  # the stage's device capacity
-    forward: int = 0  # its place among the run's forwards (the file is in backward order)
-    mitigation_s: float = 0.0  # the time its plan adds, forward and backward, as the cost model prices it
-    mitigated: dict[str, float] = field(default_factory=dict)  # device bytes its plan took off, per strategy (`CostModel.mitigated`)
-    actual: int | None = None  # set by end_forward
-    peak_device_bytes: int | None = None  # the run's peak so far (`Provisioner.peak_device_bytes`), at end_forward
-    device_bytes: int | None = None  # static bytes and every micro-batch's activations, at its forward's end
-    live_after_backward: int | None = None  # set by end_backward
-    point: Point | None = None  # the fused scheduling point it began (runtime.dual_batch), if any
-    routed: dict[int, int] = field(default_factory=dict)  # local routed pairs at each MoE layer's gate
-    balanced_pairs: float = 0.0  # what balanced routing brings each MoE layer: `routed` / this is its imbalance
-    kind: dict = field(default_factory=dict)  # how its forward ran (`runtime.forward_kind.ForwardKind`)
-    misses: list[Miss] = field(default_factory=list)  # ops that kept other bytes than predicted (`runtime.calibration`)
-    ids_view_bytes: int = 0  # what its token ids keep beyond themselves: the larger tensor they are a view of (planned for)
-    varlen_bytes: int = 0  # flash-attention's varlen arguments its layers receive (TRL's packing; planned for)
-    spilled_bytes: int = 0  # kept activations its forward's saves moved to host memory, going past the capacity (`Ledger.spill_at`)
-
-    def to_json(self) -> str:
-        return json.dumps(vars(self), default=asdict)  # the nested dataclasses only made dicts (asdict copies all)
 
 
 @dataclass
@@ -230,14 +167,9 @@ class Provisioner:
         self.runtime.tracker.listeners.append(self._entered)
         self._groups = {part.index: expert_group(part.experts) for part in adapter.layers if part.moe}  # None: one process
         self._lockstep, self._ops = lockstep_group(recipe), first.ops()  # the ranks that recompute the same ops, and those ops
-        self.telemetry = _telemetry_file(recipe)  # open for the Provisioner's life: a line per event, flushed as written
-        if self.telemetry is not None:
-            weakref.finalize(self, self.telemetry.close)
-        # the latest micro-batches' events (a long run would otherwise grow without bound) and
-        # running totals over all of them
-        self.events: deque[Event] = deque(maxlen=EVENTS_KEPT)
-        self.forwards, self.planner_s = 0, 0.0
-        self._reported = 0  # forwards counted by the last `figures()`
+        self.log = EventLog(recipe)  # the latest micro-batches' events, the telemetry file, the figures
+        self.events = self.log.events
+        self.forwards, self.planner_s = 0, 0.0  # running totals over all of them
         self._awaiting_backward: dict[int, Event] = {}
         self._forward: _Forward | None = None
         self._foreseen: dict[int, tuple[tuple[int, int, ForwardKind], Foresight]] = {}  # by micro-batch (`foresee`)
@@ -535,7 +467,7 @@ class Provisioner:
         self._calibrate(f)
         e.peak_device_bytes = self.peak_device_bytes
         e.device_bytes = self.stage.static_bytes + self.ledger.live_device_bytes
-        self.events.append(e)
+        self.log.ended(e)
         self.forwards += 1
         self.planner_s += e.planner_s
         self._awaiting_backward[mb] = e
@@ -569,41 +501,13 @@ class Provisioner:
             raise ValueError(f"end_backward({mb}): micro-batch {mb} has no finished forward awaiting its backward")
         event.live_after_backward = live
         self.runtime.release(mb)
-        if self.telemetry is not None:
-            try:
-                self.telemetry.write(event.to_json() + "\n")
-            except OSError as exc:  # a full disk ends the file, not the training
-                _telemetry_lost(Path(self.telemetry.name), exc)
-                self.telemetry.close()
-                self.telemetry = None
+        self.log.complete(event)
         return live
 
     def figures(self) -> dict[str, float]:
         """The `bagualu/*` figures for a logger (`accelerator.log(prov.figures(), step=step)`; the
-        Trainer callback and nanotron's launcher log them themselves): the peak device bytes so far
-        (static memory plus the Ledger's activations) against the capacity; over the micro-batches
-        since the last call the tightest budget, the most mitigated ops in one plan, the bytes the
-        plans took off, the gates' escalations and deferrals, planner ms per micro-batch, and the
-        ops that kept other bytes than the cost model predicted (`runtime.calibration`)."""
-        new = list(self.events)[len(self.events) - min(self.forwards - self._reported, len(self.events)):]
-        self._reported = self.forwards
-        figures = {
-            "bagualu/peak_device_bytes": self.peak_device_bytes,
-            "bagualu/capacity_bytes": self.stage.capacity,
-            "bagualu/micro_batches": len(new),
-        }
-        if new:
-            figures.update({
-                "bagualu/budget_bytes": min(e.budget for e in new),
-                "bagualu/mitigated_ops": max(len(e.plan) for e in new),
-                "bagualu/mitigated_bytes": max(sum(e.mitigated.values()) for e in new),
-                "bagualu/escalations": sum(len(e.escalations) for e in new),
-                "bagualu/deferrals": sum(len(e.deferred) for e in new),
-                "bagualu/planner_ms": 1e3 * sum(e.planner_s for e in new) / len(new),
-                "bagualu/cost_model_misses": sum(len(e.misses) for e in new),
-                "bagualu/spilled_bytes": sum(e.spilled_bytes for e in new),
-            })
-        return figures
+        Trainer callback and nanotron's launcher log them themselves): `EventLog.figures`."""
+        return self.log.figures(self.peak_device_bytes, self.stage.capacity)
 
     def micro_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> AbstractContextManager[int]:
         """One micro-batch of a loop without pipeline parallelism, explicitly: its forward and
@@ -631,12 +535,9 @@ class Provisioner:
         self._foreseen.clear()
         if self.executor is not None:
             self.executor.start()
-        dropped = set(map(id, self._awaiting_backward.values()))
-        if dropped:
-            kept = [e for e in self.events if id(e) not in dropped]
-            self.events.clear()
-            self.events.extend(kept)
-            self.forwards -= len(dropped)
+        if self._awaiting_backward:
+            self.log.drop(self._awaiting_backward.values())
+            self.forwards -= len(self._awaiting_backward)
         for mb in self._awaiting_backward:
             self.ledger.retire(mb)
         self._awaiting_backward.clear()
@@ -663,38 +564,9 @@ class Provisioner:
         self.gate.remove()
         self.runtime.tracker.listeners.remove(self._entered)
         self.runtime.remove()
-        if self.telemetry is not None:
-            self.telemetry.close()
-            self.telemetry = None
+        self.log.close()
         if getattr(self.runtime.adapter.model, INSTALLED_ATTR, None) is self:
             delattr(self.runtime.adapter.model, INSTALLED_ATTR)
-
-
-def _telemetry_file(recipe: Recipe) -> TextIO | None:
-    """This process's events file (`Telemetry.file`: one per rank where several run), begun
-    anew (a run's file holds that run's micro-batches only) and kept open, line-buffered: each
-    event is on disk as it is written, a crash loses none, and no micro-batch pays for opening
-    the file. One that cannot be written (a read-only working directory) is said, and the run
-    goes on without it."""
-    dist = torch.distributed
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
-    path = recipe.telemetry.file(rank, world)
-    if path is None:
-        return None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("w", buffering=1)
-    except OSError as exc:
-        _telemetry_lost(path, exc)
-        return None
-
-
-def _telemetry_lost(path: Path, exc: OSError) -> None:
-    warnings.warn(
-        f"bagualu: cannot write the telemetry to {path} ({exc.strerror or exc}): this run's events stay in memory only "
-        "(Provisioner.events); give the recipe a writable telemetry.path, or telemetry.enabled: false",
-        RuntimeWarning, stacklevel=3,
-    )
 
 
 def apply(model: nn.Module, recipe: Recipe | dict | str | os.PathLike[str] | None = None, cost: CostModel | None = None) -> Provisioner:
