@@ -129,9 +129,8 @@ class DualBatchExecutor:
     def of(cls, provisioner: Provisioner, stage: Callable[[], StagePieces]) -> DualBatchExecutor:
         """The executor an engine runs `provisioner`'s stage through, made (from `stage()`) the first
         time: its schedules outlive an iteration, as the stage does."""
-        if provisioner.executor is None:
-            provisioner.executor = cls(stage(), provisioner, provisioner.stage.recipe.pipeline.overlap_all_to_all is not False)
-        return provisioner.executor
+        overlap = provisioner.stage.recipe.pipeline.overlap_all_to_all is not False
+        return provisioner.executor_of(lambda: cls(stage(), provisioner, overlap))
 
     def start(self, around: Around | None = None) -> None:
         """A new iteration: nothing in flight (one that raised leaves its graphs to the caller), and

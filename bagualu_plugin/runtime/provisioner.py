@@ -519,6 +519,14 @@ class Provisioner:
             raise ValueError(f"micro_batch() runs without pipeline parallelism, but the recipe has pipeline.pp={pp}")
         return self.boundaries.explicit(input_ids, attention_mask)
 
+    def executor_of(self, make: Callable[[], object]) -> object:
+        """The fused executor engines run this stage through (`runtime.dual_batch`), made by
+        `make()` the first time: its schedules outlive an iteration, as the stage does, and an
+        abandoned iteration restarts it."""
+        if self.executor is None:
+            self.executor = make()
+        return self.executor
+
     def abandon(self, error: BaseException | None = None) -> None:
         """The micro-batches begun and not ended (a step raised, or a forward's output never went
         backward) leave nothing behind: their forward's hooks closed, the fused executor's
