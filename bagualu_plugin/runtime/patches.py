@@ -21,6 +21,8 @@ that never run:
 
 from __future__ import annotations
 
+from itertools import repeat
+
 from torch import nn
 from transformers.integrations.moe import use_experts_implementation
 
@@ -80,10 +82,30 @@ def _foreign_method(experts: nn.Module) -> bool:
     return bool(owner) and "<locals>" not in owner and owner not in {c.__qualname__ for c in type(experts).__mro__}
 
 
-def _compiled(module: nn.Module) -> bool:
+def _compiled(state: dict) -> bool:
     """`module.compile()` (torch keeps the compiled call on the instance) or `torch.compile(module)`
-    (a wrapper module)."""
-    return getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+    (a wrapper module holding the original as `_orig_mod`), read off the module's `vars()`: a missing
+    attribute would cost `nn.Module.__getattr__` an exception, at every module of every forward."""
+    return state.get("_compiled_call_impl") is not None or "_orig_mod" in state.get("_modules", ())
+
+
+def _forwards(module: nn.Module) -> tuple:
+    """What decides `module`'s forward in force: the instance's own and its class's (a key that
+    changes when either is set)."""
+    return vars(module).get("forward"), type(module).forward
+
+
+def _defined(model: nn.Module) -> type | None:
+    """The transformers class whose forward the model's is."""
+    return next((c for c in type(model).__mro__ if "forward" in vars(c) and c.__module__.startswith("transformers.")), None)
+
+
+def _replaced(model: nn.Module) -> bool:
+    """Whether the causal LM's forward in force is not its transformers class's own (through the
+    decorators and wrappers that keep it: accelerate's autocast on the instance)."""
+    defined = _defined(model)
+    function, _ = forward_in_force(model)
+    return defined is not None and getattr(_chain(function)[-1], "__module__", None) != defined.__module__
 
 
 class Patches:
@@ -96,14 +118,18 @@ class Patches:
         self.hooked = {module: names.get(module, type(module).__name__) for module in hooked}
         self.names = names
         self._tree: frozenset | None = None
+        self._states: list[dict] = []  # the `vars()` of the modules of `_tree`: what `module.compile()` writes to
+        self._seen: dict[tuple, bool] = {}  # (module class, `_forwards`) -> whether it is refused: checked once
 
     def check(self, tree: frozenset[nn.Module]) -> None:
         """Raise ValueError for the first refused change (see the module's docstring); `tree`: the
         model's modules now (the Ledger's walk: a new set only when they changed)."""
         a = self.adapter
         if tree is not self._tree:
-            self._tree = tree
             gone = [name for module, name in self.hooked.items() if module not in tree]
+            wrapped = [name for name, module in a.model.named_modules() if _compiled(vars(module))]  # torch.compile(module)
+            if wrapped:
+                self._refuse_compiled(wrapped)
             if gone:
                 raise ValueError(
                     f"bagualu: {', '.join(gone[:4])}{' ...' if len(gone) > 4 else ''} replaced after the plugin installed: "
@@ -111,27 +137,38 @@ class Patches:
                     "Replace modules before bgl.apply (or the Trainer's train()), or remove the plugin (prov.remove()) "
                     "and apply it again"
                 )
-        compiled = [m for m in tree if _compiled(m)]  # compile() sets no module: looked for at every forward
-        if compiled:
-            names = {module: name for name, module in self.adapter.model.named_modules()}
-            compiled = [names.get(m, type(m).__name__) for m in compiled]
-            raise ValueError(
-                f"bagualu: {', '.join(compiled[:4])} compiled on its own (module.compile() or torch.compile(module)): the "
-                "compiled graph takes in the plugin's hooks and saved-tensor hooks, so its recompute regions would replay "
-                "nothing. Train uncompiled with the plugin, or compile without the plugin"
-            )
+            self._tree, self._states = tree, [vars(m) for m in tree]
+        # compile() registers no module: looked for at every forward (C-level, ~30 ns a module)
+        if any(map(dict.get, self._states, repeat("_compiled_call_impl"))):
+            self._refuse_compiled([name for name, module in a.model.named_modules() if _compiled(vars(module))])
         for part in a.layers:  # another class's forward on the experts (kernelize's, Liger's) never dispatches
-            if part.experts is not None and _foreign_method(part.experts):
+            if part.experts is not None and self._once(part.experts, _foreign_method):
                 self.undispatched([part.experts])
-        function, owner = forward_in_force(a.model)  # a fused linear cross-entropy's forward on the model
-        defined = next((c for c in type(a.model).__mro__ if "forward" in vars(c) and c.__module__.startswith("transformers.")), None)
-        if defined is not None and getattr(_chain(function)[-1], "__module__", None) != defined.__module__:
+        if self._once(a.model, _replaced):
+            function, owner = forward_in_force(a.model)
+            defined = _defined(a.model)
             raise ValueError(
                 f"bagualu: the model's forward is {_name(function)} ({_where(owner)}), not {defined.__name__}'s own: its LM "
                 "head and loss would run outside the modules the plugin plans (a fused linear cross-entropy). Leave the "
                 "model's forward unpatched (Liger-Kernel: apply_liger_kernel_to_*(fused_linear_cross_entropy=False); the "
                 "plugin has its own chunked loss, strategies.loss_chunk_tokens), or train without the plugin"
             )
+
+    @staticmethod
+    def _refuse_compiled(names: list[str]) -> None:
+        raise ValueError(
+            f"bagualu: {', '.join(names[:4])} compiled on its own (module.compile() or torch.compile(module)): the "
+            "compiled graph takes in the plugin's hooks and saved-tensor hooks, so its recompute regions would replay "
+            "nothing. Train uncompiled with the plugin, or compile without the plugin"
+        )
+
+    def _once(self, module: nn.Module, refused) -> bool:
+        """`refused(module)`, found once per class of module and forward in force."""
+        key = (type(module), *_forwards(module))
+        verdict = self._seen.get(key)
+        if verdict is None:
+            verdict = self._seen[key] = refused(module)
+        return verdict
 
     def undispatched(self, experts: list[nn.Module]) -> None:
         """Raise ValueError for routed experts whose forward does not run transformers' experts
