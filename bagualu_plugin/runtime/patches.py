@@ -10,8 +10,8 @@ that never run:
 - routed experts whose forward is not transformers' experts dispatch (a `kernelize` mapping for the
   experts, Liger-Kernel's `LigerExperts`, a class patch): the plugin's expert ops, the units its
   plans recompute, never run. Another class's forward set on them is refused before the forward;
-  a function (a wrapper, a class patch) where the forward shows it: experts called and the
-  plugin's expert ops not run;
+  a function (a wrapper, a class patch) where the forward shows it: the experts' forward returned
+  without running the plugin's expert ops;
 - a causal LM forward not the model class's own (Liger-Kernel's fused linear cross-entropy): its LM
   head and loss run outside the modules the plugin plans;
 - a module compiled on its own (`module.compile()`, `torch.compile(module)`), whose graph takes in
@@ -172,7 +172,7 @@ class Patches:
 
     def undispatched(self, experts: list[nn.Module]) -> None:
         """Raise ValueError for routed experts whose forward does not run transformers' experts
-        dispatch (seen before the forward, or in it: called, and the plugin's expert ops never run)."""
+        dispatch (seen before the forward, or in it: their forward returned, the plugin's expert ops not run)."""
         module = experts[0]
         function, owner = forward_in_force(module)
         names = ", ".join(self.names.get(m, type(m).__name__) for m in experts[:4]) + (" ..." if len(experts) > 4 else "")

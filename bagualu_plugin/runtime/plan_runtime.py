@@ -80,7 +80,7 @@ class PlanRuntime:
         self._arguments_op: OpId | None = None  # the op running before this forward's first decoder layer
         self._enclosing: list[tuple] = []  # each region module with its (pre-hook, hook) handles: `_enclose`
         self.patches: Patches | None = None  # what other libraries changed on the model, checked at each forward
-        self._called: set[nn.Module] = set()  # the experts called in this forward, and those that ran our expert ops
+        self._returned: set[nn.Module] = set()  # the experts whose forward returned in this forward, and those that ran our ops
         self._dispatched: set[nn.Module] = set()
         self._first: list = []  # the layer arguments' pre-hooks, before any region's
 
@@ -175,7 +175,7 @@ class PlanRuntime:
             if part.experts is not None:
                 setattr(part.experts, RUNNER_ATTR, self._runner(part.index))
                 stack.callback(delattr, part.experts, RUNNER_ATTR)
-                stack.callback(part.experts.register_forward_pre_hook(self._experts_called).remove)
+                stack.callback(part.experts.register_forward_hook(self._experts_returned).remove)
         # the op scopes and the plan's module hooks, once: they do nothing outside forward()
         self.tracker.install()
         stack.callback(self.tracker.remove)
@@ -210,9 +210,9 @@ class PlanRuntime:
         for first in self._first:
             first.hooks_dict_ref().move_to_end(first.id, last=False)
 
-    def _experts_called(self, experts: nn.Module, *_) -> None:
+    def _experts_returned(self, experts: nn.Module, *_) -> None:
         if self._forwarding and not is_inside_backward():
-            self._called.add(experts)
+            self._returned.add(experts)
 
     def _end_charges(self, *_) -> None:
         if self._forwarding and not is_inside_backward():
@@ -369,11 +369,11 @@ class PlanRuntime:
             stack.enter_context(self._flag("stored" if saves is self.hooks else "counted"))
             stack.enter_context(bagualu_experts(self.adapter.config))
             stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saves.pack, saves.unpack))
-            self._called.clear()
+            self._returned.clear()
             self._dispatched.clear()
             yield self.ledger
-            if self._called - self._dispatched:  # experts whose forward in force never ran the plugin's ops
-                self.patches.undispatched([m for m in self._called if m not in self._dispatched])
+            if self._returned - self._dispatched:  # experts whose forward in force never ran the plugin's ops
+                self.patches.undispatched([m for m in self._returned if m not in self._dispatched])
 
     @contextmanager
     def _flag(self, saves: str) -> Iterator[None]:
