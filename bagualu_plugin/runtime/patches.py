@@ -1,5 +1,5 @@
 """What other libraries changed on the model the plugin installed on, checked as each training
-forward begins: supported, or refused by name before anything runs.
+forward begins (and the experts' dispatch where it ends): supported, or refused by name.
 
 Supported: any forward set on a module's instance or class where the plugin runs the module as it
 is (norms, attention, MLPs: transformers' `kernelize`, Liger-Kernel's norms, a user's class patch),

@@ -82,7 +82,6 @@ class PlanRuntime:
         self.patches: Patches | None = None  # what other libraries changed on the model, checked at each forward
         self._returned: set[nn.Module] = set()  # the experts whose forward returned in this forward, and those that ran our ops
         self._dispatched: set[nn.Module] = set()
-        self._first: list = []  # the layer arguments' pre-hooks, before any region's
 
     @property
     def plan(self) -> Plan:
@@ -190,10 +189,8 @@ class PlanRuntime:
         for part in a.layers:
             # before the layer's own region (a whole-layer recompute) saves its arguments
             handle = part.module.register_forward_pre_hook(self._layer_inputs, with_kwargs=True, prepend=True)
-            self._first.append(handle)
             stack.callback(handle.remove)
         stack.callback(self._enclosing.clear)
-        stack.callback(self._first.clear)
         hooked = [a.model, a.decoder.norm, *(module for module, _, _ in self._enclosing), *(part.module for part in a.layers),
                   *(part.experts for part in a.layers)]
         self.patches = Patches(a, [module for module in hooked if module is not None])
@@ -201,14 +198,15 @@ class PlanRuntime:
         return self
 
     def _enclose(self) -> None:
-        """Each region's hooks around every other hook of its module, also those registered since
-        (prepended or not): the region holds what they run, and its replay, a call of the module,
-        runs them again. The layer arguments' hook stays first (about 0.2 us a region module)."""
+        """Each region's hooks around every other library's hook on its module, also those
+        registered since (prepended or not): the region holds what they run, and its replay, a
+        call of the module, runs them again. Only the plugin's own hooks (the loss runner's, the
+        op scopes', the layer arguments') may come before the region's pre-hook or after its hook.
+        Dicts are reordered only where another library's hook is out of place (torch 2.11's
+        compiler fails on a model whose hook dicts were reordered)."""
         for _, pre, post in self._enclosing:
-            pre.hooks_dict_ref().move_to_end(pre.id, last=False)
-            post.hooks_dict_ref().move_to_end(post.id)
-        for first in self._first:
-            first.hooks_dict_ref().move_to_end(first.id, last=False)
+            _around(pre.hooks_dict_ref(), pre.id, last=False)
+            _around(post.hooks_dict_ref(), post.id, last=True)
 
     def _experts_returned(self, experts: nn.Module, *_) -> None:
         if self._forwarding and not is_inside_backward():
@@ -253,7 +251,7 @@ class PlanRuntime:
             if region is not None:
                 region.close()
 
-        handles = (module.register_forward_pre_hook(enter, with_kwargs=True, prepend=True),
+        handles = (module.register_forward_pre_hook(enter, with_kwargs=True),
                    module.register_forward_hook(leave, always_call=True))
         self._enclosing.append((module, *handles))
         for handle in handles:
@@ -396,6 +394,25 @@ class PlanRuntime:
         if self._stack is not None:
             self._stack.close()
             self._stack = None
+
+
+def _ours(hook) -> bool:
+    return getattr(getattr(hook, "__func__", hook), "__module__", "").startswith("bagualu_plugin.")
+
+
+def _around(hooks, own: int, last: bool) -> None:
+    """Move the other libraries' hooks that come before `own` (after it, when `last`) of the
+    ordered `hooks` to its other side, keeping every other order: a region's pre-hook is then
+    outside all but the plugin's own hooks, its hook too."""
+    keys = list(reversed(hooks) if last else hooks)
+    outside = keys[: keys.index(own)]
+    foreign = [key for key in outside if not _ours(hooks[key])]
+    if not foreign:
+        return
+    rest = keys[keys.index(own) + 1:]
+    order = [key for key in outside if key not in foreign] + [own] + foreign + rest
+    for key in order:  # rebuilt in that order from the far side
+        hooks.move_to_end(key, last=not last)
 
 
 @contextmanager
