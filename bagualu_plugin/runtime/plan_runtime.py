@@ -188,8 +188,7 @@ class PlanRuntime:
             stack.callback(a.decoder.norm.register_forward_pre_hook(self._end_charges).remove)
         for part in a.layers:
             # before the layer's own region (a whole-layer recompute) saves its arguments
-            handle = part.module.register_forward_pre_hook(self._layer_inputs, with_kwargs=True, prepend=True)
-            stack.callback(handle.remove)
+            stack.callback(part.module.register_forward_pre_hook(self._layer_inputs, with_kwargs=True, prepend=True).remove)
         stack.callback(self._enclosing.clear)
         hooked = [a.model, a.decoder.norm, *(module for module, _, _ in self._enclosing), *(part.module for part in a.layers),
                   *(part.experts for part in a.layers)]
@@ -229,9 +228,9 @@ class PlanRuntime:
             self.hooks.layer_inputs(args, kwargs, self._arguments_op)
 
     def _wrap(self, module: nn.Module, layer: int, unit: tuple[str, ...], stack: ExitStack) -> None:
-        """Run `module` as a recompute region while its unit or span is one: the first forward
-        pre-hook opens the region, the last forward hook (always called, also when the forward
-        raises) closes it (`_enclose` keeps them so), and the replay calls the module with the
+        """Run `module` as a recompute region while its unit or span is one: a forward pre-hook
+        before every other library's opens the region, a forward hook after them (always called,
+        also when the forward raises) closes it (`_enclose` keeps them so), and the replay calls the module with the
         arguments it was called with: whatever forward it has then and every hook between ours,
         another library's or the user's (a logging or noise hook, FSDP2's gathering), run again
         as the forward ran them. Hooks, never a replaced `forward`: other libraries set a
