@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import TELEMETRY_FILE
-from .costmodel import MITIGATIONS, CostModel, Curve, MicroBatchCost
+from .costmodel import MITIGATIONS, CostModel, Curve, Forward, MicroBatchCost
 from .stage import Stage
 from .units import fmt_bytes, fmt_seconds
 
@@ -191,7 +191,7 @@ def profile_text(cm: CostModel, tokens: int) -> str:
     """`bagualu profile`'s report: each op's fitted cost (§IV-A) at `tokens` as one sequence."""
     rows = [
         [str(c.op), fmt_seconds(c.forward_s), fmt_seconds(c.backward_s), fmt_bytes(c.saved_bytes)]
-        for c in cm.op_costs(tokens, seq_len=tokens)
+        for c in cm.op_costs(Forward(tokens, tokens))
     ]
     saved = fmt_bytes(cm.activation_bytes(tokens, seq_len=tokens))
     return f"{table(['op', 'Δt_f', 'Δt_b', 'Δm'], rows)}\n\nat T = {tokens}: {saved} saved for backward"
@@ -211,14 +211,14 @@ def _op_rows(stage: Stage) -> list[dict]:
     """Each op of the first block of every kind in the stage, with what each mitigation does."""
     cm, seen, rows = stage.cost, set(), []
     seq = stage.recipe.batch.seq_len
-    for cost in cm.op_costs(stage.tokens, seq_len=seq):
+    for cost in cm.op_costs(Forward(stage.tokens, seq)):
         kind = cm.blocks[cost.op.layer].kind
         if (kind, cost.op.name) in seen:
             continue
         seen.add((kind, cost.op.name))
         unit = cm.recompute_unit(cost.op)
         mit = {
-            s: cm.mitigation_cost(unit if s == "recompute" else cost.op, s, stage.tokens, seq_len=seq, options=stage.options)
+            s: cm.mitigation_cost(unit if s == "recompute" else cost.op, s, Forward(stage.tokens, seq), options=stage.options)
             for s in MITIGATIONS
             if s != "recompute" or unit
         }

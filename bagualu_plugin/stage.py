@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .config import Recipe
-from .costmodel import CostModel, Curve, MicroBatchCost, MitigationOptions, OpId, iteration_curve
+from .costmodel import CostModel, Curve, Forward, MicroBatchCost, MitigationOptions, OpId, iteration_curve
 from .costmodel.graph import EXPERT_OPS
 from .costmodel.pipeline import Step, interleaved_one_f_one_b, release_order, warmup_depth
 from .planner import BudgetState
@@ -35,7 +35,7 @@ def _floor(chunks: Sequence[CostModel], tokens: int, recipe: Recipe) -> int:
 
     def least(c: CostModel) -> float:
         if "recompute" in allowed:
-            return c.footprint(tokens, routed, seq_len, c.full_recompute(collective=True)).device_bytes
+            return c.footprint(Forward(tokens, seq_len, routed), c.full_recompute(collective=True)).device_bytes
         options, pairs = mitigation_options(recipe), [routed] * len(c.moe_layers)
         try:
             plan = plan_micro_batch(c, 0, tokens, pairs, seq_len, allowed, options).plan
@@ -43,7 +43,7 @@ def _floor(chunks: Sequence[CostModel], tokens: int, recipe: Recipe) -> int:
             plan = error.best.plan
         for layer in c.moe_layers:  # and every gate escalated, as gates do whatever the strategies
             plan = escalated(plan, layer, c.blocks[layer].collective or EXPERT_OPS)
-        return c.footprint(tokens, pairs, seq_len, plan, options).needed_bytes
+        return c.footprint(Forward(tokens, seq_len, pairs), plan, options).needed_bytes
 
     return max(math.ceil(least(c)) for c in chunks)
 
@@ -185,7 +185,7 @@ class Stage:
     def micro_batch(self, imbalance: float = 1.0, plan: Mapping[OpId, str] | None = None) -> MicroBatchCost:
         """One micro-batch whose MoE layers receive `imbalance` x the balanced routed pairs."""
         routed = self.tokens * self.cost.pairs_per_token * imbalance
-        return self.cost.micro_batch(self.tokens, routed, self.recipe.batch.seq_len, plan, self.options)
+        return self.cost.micro_batch(Forward(self.tokens, self.recipe.batch.seq_len, routed), plan, self.options)
 
     def curve(self, imbalance: Sequence[float] | None = None) -> Curve:
         """The iteration curve with nothing mitigated; `imbalance[i]` scales micro-batch i's routing

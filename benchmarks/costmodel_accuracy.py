@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from bagualu_plugin import expert_parallel
 from bagualu_plugin.adapters import FAMILIES, tiny_model
-from bagualu_plugin.costmodel import CostModel, ModelDims
+from bagualu_plugin.costmodel import CostModel, Forward, ModelDims
 from bagualu_plugin.parallel.launch import run_ranks
 from bagualu_plugin.report import table
 from bagualu_plugin.runtime.profiler import measure_micro_batch, profile
@@ -67,7 +67,7 @@ def case(family: str, dtype: str, attention: str, repeats: int, rank: int) -> di
             tokens = batch * seq_len
             pairs = [routed[i] for i in cm.moe_layers]
             predicted = cm.activation_bytes(tokens, routed=pairs, seq_len=seq_len)
-            mb = cm.micro_batch(tokens, routed=pairs, seq_len=seq_len)
+            mb = cm.micro_batch(Forward(tokens, seq_len, pairs))
             memory.append(abs(predicted - saved) / saved)
             timing.append(abs(mb.forward_s + mb.backward_s - seconds) / seconds)
     row = {"family": family, "dtype": dtype, "attention": attention, "memory": memory, "timing": timing}

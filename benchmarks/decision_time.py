@@ -50,6 +50,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, 
 import bagualu_plugin as bgl
 from bagualu_plugin import load_recipe
 from bagualu_plugin.collector import ManualCollector, frozen
+from bagualu_plugin.costmodel import Forward
 from bagualu_plugin.planner.decider import Decider
 from bagualu_plugin.report import table
 from bagualu_plugin.sim.run import simulate
@@ -170,7 +171,7 @@ def stream(stage: Stage, forwards: int, seed: int = 0) -> dict:
             end = time.perf_counter()
             seconds.append(end - start)
             gates.append(end - begun)
-            kept = cm.footprint(tokens, [f.balanced * x for x in imbalance], length, f.plan, stage.options)
+            kept = cm.footprint(Forward(tokens, length, [f.balanced * x for x in imbalance]), f.plan, stage.options)
             decider.end(f, round(kept.device_bytes + kept.room_bytes))
             planned += bool(f.gates.decision.plan)
             escalated += bool(f.escalations)

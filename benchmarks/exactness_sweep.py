@@ -108,6 +108,7 @@ def run(case: Case, root: Path, plugin: bool = True) -> Outcome:
     import bagualu_plugin as bgl
     from bagualu_plugin.adapters.costs import model_cost
     from bagualu_plugin.adapters.tiny import save_tiny, tiny_tokenizer
+    from bagualu_plugin.costmodel import ForwardKind
     from bagualu_plugin.integrations.transformers import BagualuCallback
     from bagualu_plugin.runtime import SimulatedOutOfMemoryError
 
@@ -125,7 +126,7 @@ def run(case: Case, root: Path, plugin: bool = True) -> Outcome:
         peft = LoraConfig(r=4, lora_alpha=8, target_modules=LORA.get(case.family, ["q_proj", "v_proj"]))
     # `fraction` is of the model that trains, LoRA included; `share` of the model as loaded
     priced = model if peft is None or case.fraction is None else get_peft_model(copy.deepcopy(model), peft)
-    cm = model_cost(priced, autocast={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(autocast))
+    cm = model_cost(priced, kind=ForwardKind(autocast={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(autocast)))
     tokens = case.batch * case.length
     unplanned = cm.activation_bytes(tokens, seq_len=case.length)
     floor = cm.activation_bytes(tokens, seq_len=case.length, plan=cm.full_recompute())

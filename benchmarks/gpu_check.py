@@ -39,7 +39,7 @@ from bagualu_plugin import kernels
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.adapters.tiny import tiny_config
-from bagualu_plugin.costmodel import OpId
+from bagualu_plugin.costmodel import ForwardKind, OpId
 from bagualu_plugin.costmodel.mitigation import MitigationOptions
 from bagualu_plugin.costmodel.plan import Plan
 from bagualu_plugin.kernels import reference as ref
@@ -117,7 +117,7 @@ def step(model, ids, runtime: PlanRuntime | None = None, micro_batch: int = 0):
     if runtime is None:
         loss = model(input_ids=ids, labels=ids).loss
     else:
-        runtime.ledger.micro_batch = micro_batch
+        runtime.micro_batches.running = micro_batch
         with runtime.forward():
             loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -444,7 +444,7 @@ def ledger_spill(ctx: Context):
         model.zero_grad(set_to_none=True)
         ctx.settle()
         before = torch.cuda.memory_allocated(ctx.device) if ctx.cuda else 0
-        runtime.ledger.micro_batch = 1
+        runtime.micro_batches.running = 1
         with runtime.forward():
             loss = model(input_ids=ids, labels=ids).loss
         ctx.settle()
@@ -484,7 +484,7 @@ def _cost_rows(
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(**lora))
-    cm = model_cost(model, autocast={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(autocast))
+    cm = model_cost(model, kind=ForwardKind(autocast={torch.bfloat16: "bf16", torch.float16: "fp16"}.get(autocast)))
     batch, seq = 2, ctx.seq(200)  # not a multiple of 32: the memory-efficient kernel pads its log-sum-exp
     ids = ctx.ids(batch, seq, seed=6)
     errors = {}

@@ -86,6 +86,7 @@ from bagualu_plugin import Recipe, apply
 from bagualu_plugin.adapters import Adapter
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.collector import ManualCollector, frozen
+from bagualu_plugin.costmodel import Forward
 from bagualu_plugin.demo import POLICIES
 from bagualu_plugin.demo.model import pretrained, rank_batches, rank_model
 from bagualu_plugin.demo.policies import PLANNED, PolicyRun
@@ -606,7 +607,7 @@ def time_error(dev: Device, mode: Mode, recipe: Recipe, cost, batches: list, sta
     predicted = {}
     for name, cm in (("analytic", cost), ("profiled", profiled)):
         sums = defaultdict(lambda: [0.0, 0.0])
-        for c in cm.op_costs(ids.numel(), pairs, ids.shape[-1]):
+        for c in cm.op_costs(Forward(ids.numel(), ids.shape[-1], pairs)):
             sums[c.op.name][0] += c.forward_s
             sums[c.op.name][1] += c.backward_s
         predicted[name] = sums

@@ -91,7 +91,7 @@ def _soak(rank: int, size: int, iterations: int, spike_probability: float | None
         gc.collect()
         readings["objects"][i], readings["heap"][i] = _ours(), tracemalloc.get_traced_memory()[0]
         readings["buffers"][i], readings["classes"][i] = pool.made, len({size for _, size in pool._free})
-        readings["blocks"][i] = prov.runtime._block_regions.cache_info().currsize
+        readings["blocks"][i] = prov.runtime.block_regions.cache_info().currsize
 
     def skew(it: int):
         def around(step):

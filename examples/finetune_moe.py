@@ -50,6 +50,7 @@ from bagualu_plugin import data
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.collector import ManualCollector
 from bagualu_plugin.config import TELEMETRY_FILE, RecipeError, read_recipe
+from bagualu_plugin.costmodel import Forward
 from bagualu_plugin.integrations.accelerate import apply, prepare_model
 from bagualu_plugin.parallel import save_expert_parallel
 from bagualu_plugin.parallel.launch import end_process
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                 micro_batches = [ids.to(accelerator.device) for ids in next(batches)]
                 if args.oracle:  # every process at once: under expert parallelism the pass dispatches
                     for mb, ids in enumerate(micro_batches):
-                        prov.foresee(mb, ids.numel(), ids.shape[-1], prov.routing(unwrapped, input_ids=ids))
+                        prov.foresee(mb, Forward(ids.numel(), ids.shape[-1], prov.routing(unwrapped, input_ids=ids)))
                 ledger.reset_peak()
                 start, losses = time.perf_counter(), []
                 for ids in micro_batches:

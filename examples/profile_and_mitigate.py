@@ -15,6 +15,7 @@ import torch
 
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, tiny_model
+from bagualu_plugin.costmodel import Forward
 from bagualu_plugin.report import table
 from bagualu_plugin.units import fmt_bytes, fmt_seconds
 
@@ -36,7 +37,7 @@ def main() -> None:
     # What each strategy would do for the MoE layer's operators, as the planner sees it.
     layer = cm.moe_layers[0]
     rows = []
-    for cost in cm.op_costs(tokens, seq_len=seq_len):
+    for cost in cm.op_costs(Forward(tokens, seq_len)):
         if cost.op.layer != layer:
             continue
         cells = [str(cost.op), fmt_bytes(cost.saved_bytes)]
@@ -45,7 +46,7 @@ def main() -> None:
             if not ops:
                 cells.append("n/a")
                 continue
-            m = cm.mitigation_cost(ops, strategy, tokens, seq_len=seq_len)
+            m = cm.mitigation_cost(ops, strategy, Forward(tokens, seq_len))
             cells.append(f"{fmt_bytes(m.bytes_saved)} / {fmt_seconds(m.forward_s + m.backward_s)}")
         rows.append(cells)
     print(table(["op", "keeps", "recompute", "offload", "fp8"], rows), "\n")

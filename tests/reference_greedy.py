@@ -7,6 +7,7 @@ differ, their bytes and times do not."""
 
 from __future__ import annotations
 
+from bagualu_plugin.costmodel import Forward
 from bagualu_plugin.costmodel.conflicts import conflicts
 from bagualu_plugin.costmodel.mitigation import Footprint, footprint
 from bagualu_plugin.costmodel.model import holds_arguments
@@ -21,7 +22,7 @@ def plan_micro_batch(cm, budget, tokens, routed, seq_len, strategies, options) -
             ops = tuple(cm.recompute_unit(op)) if strategy == "recompute" else (op,)
             if ops and (ops, strategy) not in candidates:
                 candidates.append((ops, strategy))
-    loads = cm.loads(tokens, routed, seq_len)
+    loads = cm.loads(Forward(tokens, seq_len, routed))
 
     def block_cost(i: int, block_plan: dict[str, str]) -> tuple[Footprint, bool]:
         block = cm.blocks[i]
@@ -65,7 +66,7 @@ def plan_micro_batch(cm, budget, tokens, routed, seq_len, strategies, options) -
         return "plan", Plan(plan), current
     whole = Plan(cm.full_recompute()) if "recompute" in strategies else None
     if whole is not None:
-        cost = cm.footprint(tokens, routed, seq_len, whole, options)
+        cost = cm.footprint(Forward(tokens, seq_len, routed), whole, options)
         if cost.needed_bytes <= budget:
             return "plan", whole, cost
         if cost.needed_bytes < current.needed_bytes:

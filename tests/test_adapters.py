@@ -32,7 +32,7 @@ from bagualu_plugin.adapters import (
 from bagualu_plugin.adapters.costs import model_dims
 from bagualu_plugin.adapters.experts import require_plain_weights
 from bagualu_plugin.adapters.gate import GateMonitor, RoutingSkew, tokens_per_expert
-from bagualu_plugin.costmodel import CostModel
+from bagualu_plugin.costmodel import CostModel, ForwardKind
 
 FAMS = sorted(FAMILIES)
 DENSE_FIRST = {"glm4_moe", "deepseek_v3", "qwen2_moe", "qwen3_moe"}  # tiny configs: layer 0 is dense
@@ -578,7 +578,7 @@ def test_a_router_weight_stored_in_the_model_dtype_is_read_off_the_model_and_pri
     assert model_dims(model).router_dtype == "bf16"
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     saved = plan_step(model, ids, {}, autocast=autocast)[2]
-    cm = model_cost(model, autocast=None if autocast is None else "bf16")
+    cm = model_cost(model, kind=ForwardKind(autocast=None if autocast is None else "bf16"))
     assert saved == cm.activation_bytes(32, seq_len=16)
 
 

@@ -14,6 +14,7 @@ import torch
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import save_tiny, tiny_model
 from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.costmodel import Forward, ForwardKind
 from bagualu_plugin.runtime import Ledger
 from bagualu_plugin.runtime.replay import same, top_hooks
 from bagualu_plugin.runtime.static_memory import storage_bytes
@@ -133,7 +134,7 @@ def _between(model, prov=None, packs=None):
         model.train()
         model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)
         if prov:
-            assert (prov.forwards, len(packs), prov._forward) == (before, packed, None)
+            assert (prov.forwards, len(packs), prov.running_kind) == (before, packed, None)
         model(input_ids=ids[:, :8]).logits.sum()
         if prov:
             assert prov.forwards == before + 1 and len(packs) > packed
@@ -150,7 +151,7 @@ def test_a_first_plan_that_recomputes_the_loss_is_in_force_in_its_own_forward():
     prov = bgl.apply(model, {"hardware": {"capacity_bytes": 800_000}, "budget": {"non_activation_bytes": 0}, "strategies": EXACT,
                              "batch": {"seq_len": SEQ, "micro_batch_size": BATCH}, "pipeline": {"micro_batches": 1}})
     try:
-        prov.foresee(0, ids.numel(), SEQ, prov.routing(model, input_ids=ids))
+        prov.foresee(0, Forward(ids.numel(), SEQ, prov.routing(model, input_ids=ids)))
         model(input_ids=ids, labels=ids).loss.backward()
         event = prov.events[-1]
         assert "4.loss" in event.plan and event.actual <= event.predicted  # 512 B under: the loss's label padding
@@ -210,7 +211,7 @@ def test_a_peft_model_forward_counts_once():
     prov = bgl.apply(model, {"hardware": {"capacity_bytes": "1GiB"}, "pipeline": {"micro_batches": 2}})
     for ids in _batches()[0][:2]:
         model(input_ids=ids, labels=ids).loss.backward()
-    assert [e.micro_batch for e in prov.events] == [0, 1] and not prov._awaiting_backward
+    assert [e.micro_batch for e in prov.events] == [0, 1] and not prov.awaits_backward()
     prov.remove()
 
 
@@ -224,7 +225,7 @@ def test_a_larger_micro_batch_than_any_before_is_checked_against_the_capacity():
     refused = r"micro-batch 0 of 2048 tokens \(8 x 256\) cannot fit: pipeline rank 0 of 1: capacity \d+ bytes cannot hold"
     with pytest.raises(ValueError, match=refused):
         model(input_ids=big, labels=big)
-    assert prov._forward is None and prov.stage.min_budget == m0  # still planned for what fits
+    assert prov.running_kind is None and prov.stage.min_budget == m0  # still planned for what fits
     model(input_ids=small, labels=small).loss.backward()
     prov.remove()
 
@@ -267,7 +268,7 @@ def test_autocast_entered_inside_the_models_forward_is_planned_for_from_the_next
     autocast around the model is seen at once; under the Trainer the callback says so from the
     first micro-batch (its accelerator's mixed precision: tests/test_exactness_sweep.py)."""
     model = tiny_model("deepseek_v3", dtype=torch.bfloat16)
-    unplanned = model_cost(model, autocast="bf16").activation_bytes(BATCH * SEQ, seq_len=SEQ)
+    unplanned = model_cost(model, kind=ForwardKind(autocast="bf16")).activation_bytes(BATCH * SEQ, seq_len=SEQ)
     recipe = {"hardware": {"capacity_bytes": 10 * unplanned}, "budget": {"non_activation_bytes": 0}, "telemetry": {"enabled": False}}
     ids = _batches()[0][0]
     wrapped = model.forward
@@ -275,7 +276,7 @@ def test_autocast_entered_inside_the_models_forward_is_planned_for_from_the_next
     prov = bgl.apply(model, recipe)
     begun = []
     begin = prov.begin_forward
-    prov.begin_forward = lambda *a, **k: begun.append(k["kind"].autocast) or begin(*a, **k)
+    prov.begin_forward = lambda *a, **k: begun.append(a[1].kind.autocast) or begin(*a, **k)
     for _ in range(3):
         model(input_ids=ids, labels=ids).loss.backward()
     model.forward = wrapped

@@ -15,8 +15,8 @@ import torch
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
+from bagualu_plugin.costmodel import ForwardKind
 from bagualu_plugin.runtime import calibration
-from bagualu_plugin.runtime.forward_kind import ForwardKind
 
 BATCH, SEQ, MICRO_BATCHES, STEPS = 2, 32, 2, 3
 EXACT = {"allowed": ["recompute", "offload"]}
@@ -245,7 +245,7 @@ def test_a_loop_that_computes_its_own_loss_on_the_logits_is_a_kind_of_its_own_an
     """No labels: the model computes no loss (`ForwardKind.loss`), so its head keeps nothing beyond
     the logits it returns; the caller's loss runs after the forward. Planned, with no miss."""
     model = tiny_model("qwen3_moe", num_hidden_layers=3)
-    capacity = int(0.6 * model_cost(model, loss=False).activation_bytes(BATCH * SEQ, seq_len=SEQ))
+    capacity = int(0.6 * model_cost(model, kind=ForwardKind(loss=False)).activation_bytes(BATCH * SEQ, seq_len=SEQ))
     prov = bgl.apply(model, {"hardware": {"capacity_bytes": capacity}, "budget": {"non_activation_bytes": 0}, "strategies": EXACT,
                              "pipeline": {"micro_batches": 1}})
     g = torch.Generator().manual_seed(0)

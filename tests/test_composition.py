@@ -45,7 +45,7 @@ def _step(model, runtime: PlanRuntime | None):
         loss = model(input_ids=IDS, labels=IDS).loss
         kept = None
     else:
-        runtime.ledger.micro_batch = 0
+        runtime.micro_batches.running = 0
         with runtime.forward():
             loss = model(input_ids=IDS, labels=IDS).loss
         kept = runtime.ledger.by_micro_batch().get(0, 0)

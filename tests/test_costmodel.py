@@ -8,6 +8,8 @@ import pytest
 from bagualu_plugin.costmodel import (
     BlockGraph,
     CostModel,
+    Forward,
+    ForwardKind,
     LinearForm,
     Load,
     MicroBatchCost,
@@ -242,20 +244,20 @@ def test_fp8_of_one_op_stores_payload_plus_block_scales():
 
 def test_mitigation_cost_of_each_strategy_on_one_op():
     cm = CostModel({0: _block()}, _hw(), pairs_per_token=0)
-    rec = cm.mitigation_cost(OpId(0, "a"), "recompute", T)
+    rec = cm.mitigation_cost(OpId(0, "a"), "recompute", Forward(T))
     assert (rec.bytes_saved, rec.forward_s, rec.backward_s) == (FULL, 0, pytest.approx(1e-6 * T))
-    off = cm.mitigation_cost(OpId(0, "a"), "offload", T)
+    off = cm.mitigation_cost(OpId(0, "a"), "offload", Forward(T))
     # x and w go to the host; y is not a's to move
     assert off.bytes_saved == 2 * FULL
     assert off.forward_s == off.backward_s == pytest.approx(2 * max(1e-3, FULL / 1e9))
     assert off.bandwidth == pytest.approx(2 * FULL / (4 * max(1e-3, FULL / 1e9)))
-    f8 = cm.mitigation_cost(OpId(0, "a"), "fp8", T, options=MitigationOptions(fp8_block_size=128))
+    f8 = cm.mitigation_cost(OpId(0, "a"), "fp8", Forward(T), options=MitigationOptions(fp8_block_size=128))
     stored = 1000 * T + 4 * math.ceil(1000 * T / 128)
     assert f8.bytes_saved == 2 * (FULL - stored)
-    keep = cm.mitigation_cost(OpId(0, "c"), "keep", T)
+    keep = cm.mitigation_cost(OpId(0, "c"), "keep", Forward(T))
     assert (keep.bytes_saved, keep.forward_s, keep.backward_s) == (0, 0, 0)
     # relative to a base plan: once c offloads y, offloading b as well frees y from the device
-    both = cm.mitigation_cost(OpId(0, "b"), "offload", T, base={OpId(0, "c"): "offload"})
+    both = cm.mitigation_cost(OpId(0, "b"), "offload", Forward(T), base={OpId(0, "c"): "offload"})
     assert both.bytes_saved == FULL
 
 
@@ -350,7 +352,7 @@ def test_full_recompute_keeps_one_block_input_per_layer():
 
 def test_op_costs_sum_to_activation_bytes():
     cm = CostModel.from_config(_tiny(dtype="bf16", shared_expert_intermediate_size=48, family="glm4_moe"), preset("h100"))
-    rows = cm.op_costs(300, routed=700, seq_len=100)
+    rows = cm.op_costs(Forward(300, 100, 700))
     assert sum(r.saved_bytes for r in rows) == pytest.approx(cm.activation_bytes(300, routed=700, seq_len=100))
     assert {r.op.name for r in rows if r.op.layer == 0} >= {"attn_norm", "router", "expert_fc1", "shared_expert"}
     assert all(r.forward_s > 0 and r.backward_s == pytest.approx(2 * r.forward_s) for r in rows)
@@ -394,8 +396,8 @@ def test_save_load_round_trip(tmp_path):
     plan = {OpId(1, "expert_fc1"): "offload", OpId(2, "attn_core"): "fp8", OpId(3, "router"): "recompute"}
     for model in (cm, back):
         assert model.hardware == cm.hardware
-    assert back.micro_batch(300, seq_len=100, plan=plan) == cm.micro_batch(300, seq_len=100, plan=plan)
-    assert back.op_costs(300, routed=[50, 60, 70, 80]) == cm.op_costs(300, routed=[50, 60, 70, 80])
+    assert back.micro_batch(Forward(300, 100), plan=plan) == cm.micro_batch(Forward(300, 100), plan=plan)
+    assert back.op_costs(Forward(300, None, [50, 60, 70, 80])) == cm.op_costs(Forward(300, None, [50, 60, 70, 80]))
     (tmp_path / "bad.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="not a cost model file"):
         CostModel.load(tmp_path / "bad.json")
@@ -457,3 +459,11 @@ def test_parameters_counted_are_the_models(family, config):
     dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
     real = sum(p.numel() for p in model.parameters())
     assert sum(CostModel.from_config(dims, "cpu").parameter_counts()) == param_count(dims) == real
+
+
+def test_a_forward_is_one_hashable_value_whatever_form_its_routing_takes():
+    by_layer = Forward(32, 16, {3: 5.0, 1: 7.0})  # by layer: kept in layer order
+    assert by_layer.routed == (7.0, 5.0) and by_layer == Forward(32, 16, [7.0, 5.0])
+    assert hash(by_layer) == hash(Forward(32, 16, (7.0, 5.0))) and Forward(32, 16, 4).routed == 4
+    assert by_layer != Forward(32, 16, [7.0, 5.0], ForwardKind(masked=True))
+    assert str(Forward(32, 16, kind=ForwardKind(masked=True))) == "32 tokens of length 16 (masked attention)"

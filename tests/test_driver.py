@@ -77,13 +77,14 @@ def test_an_out_of_memory_error_in_a_planned_forward_leaves_nothing_behind(fused
     gc.collect()
     runtime = prov.runtime
     assert prov.ledger.live_device_bytes == 0 and prov.ledger.live_host_bytes == 0
-    assert prov._forward is None and not prov._awaiting_backward and not runtime._forwarding
+    assert prov.running_kind is None and not prov.awaits_backward() and not runtime._forwarding
     assert {id(m): (len(m._forward_hooks), len(m._forward_pre_hooks)) for m in model.modules()} == hooks
     model.zero_grad(set_to_none=True)
     losses = run_iteration(model, batches, prov.stage.schedule, prov)
     reference = run_iteration(plain, batches, prov.stage.schedule, None)
     assert all(torch.equal(a, b) for a, b in zip(losses, reference))
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()) if q.grad is not None)
+    assert not list(prov.micro_batches)  # every micro-batch's state went with its backward, the abandoned ones' too
     prov.remove()
 
     small = tiny_model("glm4_moe", num_hidden_layers=4)
@@ -94,5 +95,5 @@ def test_an_out_of_memory_error_in_a_planned_forward_leaves_nothing_behind(fused
     assert not getattr(simulated.value, "__notes__", None) and "capacity" in str(simulated.value)
     del simulated
     gc.collect()
-    assert prov.ledger.live_device_bytes == 0 and prov.ledger.live_host_bytes == 0 and not prov._awaiting_backward
+    assert prov.ledger.live_device_bytes == 0 and prov.ledger.live_host_bytes == 0 and not prov.awaits_backward()
     prov.remove()

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from bagualu_plugin.config import check_pipeline
+from bagualu_plugin.costmodel import Forward
 from bagualu_plugin.planner.dual_batch import (
     CLASSES,
     ScheduleCache,
@@ -121,12 +122,12 @@ def test_a_scheduling_point_s_stages_come_from_the_cost_model():
     assert sum(s.copy_s > 0 for s in f) == 2 * len(moe) and sum(s.copy_s > 0 for s in b) == 2 * len(moe)
     assert all((s.compute_s == 0) != (s.copy_s == 0) for run in (f, b, o, r) for s in run)  # one stream per stage
     assert all(s.compute_s == 0 for s in o) and len(o) == len(moe)  # one run of copies per offloading block
-    loads = cm.loads(tokens, seq_len=seq)
+    loads = cm.loads(Forward(tokens, seq))
     forward = sum(op.forward_s.at(loads[i]) for i, blk in cm.blocks.items() for op in blk.ops)
     assert sum(s.compute_s + s.copy_s for s in f) == pytest.approx(forward)
     unit = [OpId(moe[0], n) for n in ("expert_fc1", "expert_act", "expert_fc2")]
-    assert sum(s.compute_s for s in r) == pytest.approx(len(moe) * cm.mitigation_cost(unit, "recompute", tokens, seq_len=seq).backward_s)
-    copies = sum(cm.mitigation_cost(op, "offload", tokens, seq_len=seq).forward_s for op in offload)
+    assert sum(s.compute_s for s in r) == pytest.approx(len(moe) * cm.mitigation_cost(unit, "recompute", Forward(tokens, seq)).backward_s)
+    copies = sum(cm.mitigation_cost(op, "offload", Forward(tokens, seq)).forward_s for op in offload)
     assert sum(s.copy_s for s in o) == pytest.approx(copies) and not joined(point_stages(cm, {}, {}, {}, offload, tokens, seq_len=seq))[2]
     stages, blockwise = [f, b, o, r], solve_blocks(blocks)
     for c, run in enumerate(stages):  # the joined windows still keep every class in order

@@ -13,7 +13,8 @@ import math
 import pytest
 
 from bagualu_plugin import load_recipe
-from bagualu_plugin.planner.decider import Decider, Forward
+from bagualu_plugin.costmodel import Forward
+from bagualu_plugin.planner.decider import Decider, Decisions
 from bagualu_plugin.planner.gate import plan_for_gates
 from bagualu_plugin.stage import Stage
 
@@ -43,12 +44,12 @@ def test_bagualu_at_m0_keeps_no_more_than_full_recompute(preset, seq_len):
             whole = cm.full_recompute(collective=True)
             for imbalance in (spikes.normal_max_imbalance, spikes.spike_max_imbalance):
                 gates, slack = plan_for_gates(band.plan, stage.min_budget, band.planned, band.heaviest)
-                f = Forward(0, stage.min_budget, gates, gates.decision.plan, slack, 0.0, band.balanced)
+                f = Decisions(0, stage.min_budget, gates, gates.decision.plan, slack, 0.0, band.balanced)
                 for layer in cm.moe_layers:
                     decider.at_gate(f, layer, band.balanced * imbalance)
                 routed = band.balanced * imbalance
-                runs = cm.footprint(stage.tokens, routed, seq_len, f.plan, stage.options)
-                static = cm.footprint(stage.tokens, routed, seq_len, whole, stage.options)
+                runs = cm.footprint(Forward(stage.tokens, seq_len, routed), f.plan, stage.options)
+                static = cm.footprint(Forward(stage.tokens, seq_len, routed), whole, stage.options)
                 where = f"{preset} at {seq_len}, rank {rank} chunk {c}, routing {imbalance}x"
                 assert runs.device_bytes <= static.device_bytes, where
                 assert runs.needed_bytes <= stage.min_budget, where
@@ -101,7 +102,7 @@ def test_without_recompute_the_floor_is_the_least_the_allowed_strategies_keep():
     plan = infeasible.value.best.plan
     for layer in cm.moe_layers:
         plan = escalated(plan, layer, EXPERT_OPS)
-    assert stage.min_budget == math.ceil(cm.footprint(tokens, pairs, 16, plan, stage.options).needed_bytes) > full.min_budget
+    assert stage.min_budget == math.ceil(cm.footprint(Forward(tokens, 16, pairs), plan, stage.options).needed_bytes) > full.min_budget
     capacity = stage.min_budget - 1
     with pytest.raises(ValueError, match=rf"capacity {capacity} bytes cannot hold static memory 0 plus 1 in-flight micro-batches "
                                          rf"at the minimum M0 = {stage.min_budget} bytes \(1 bytes short; M0 is the least a forward "

@@ -22,7 +22,7 @@ import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, Adapter, tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.config import Recipe, RecipeError, builtin_recipes
-from bagualu_plugin.costmodel import CostModel, ModelDims, OpId
+from bagualu_plugin.costmodel import CostModel, Forward, ModelDims, OpId
 from bagualu_plugin.costmodel.mitigation import MitigationOptions
 from bagualu_plugin.runtime.chunked_loss import chunked_causal_lm_loss
 from bagualu_plugin.runtime.plan_runtime import apply_plan
@@ -116,16 +116,16 @@ def test_cost_model_prices_the_head_s_loss_region():
     dims = ModelDims.from_hf_config(tiny_model("qwen3_moe").config, dtype="bf16", attention="sdpa")
     cm = CostModel.from_config(dims, "cpu")
     head, tokens, vocab = dims.num_layers, 100, dims.vocab_size
-    keep = cm.footprint(tokens, seq_len=50)
-    loss = cm.footprint(tokens, seq_len=50, plan={OpId(head, "loss"): "recompute"})
+    keep = cm.footprint(Forward(tokens, 50))
+    loss = cm.footprint(Forward(tokens, 50), plan={OpId(head, "loss"): "recompute"})
     assert keep.device_bytes - loss.device_bytes == tokens * vocab * 4 + 4  # targets out, labels held
     lm_head = cm.blocks[head].op("lm_head")
-    load = cm.loads(tokens, seq_len=50)[head]
+    load = cm.loads(Forward(tokens, 50))[head]
     replay = lm_head.forward_s.at(load) + cm.blocks[head].op("loss").forward_s.at(load)
     assert loss.backward_extra_s == pytest.approx(replay)
-    chunked = cm.footprint(tokens, seq_len=50, options=CHUNKED)
+    chunked = cm.footprint(Forward(tokens, 50), options=CHUNKED)
     assert keep.device_bytes - chunked.device_bytes == tokens * vocab * 4 - tokens * 4
-    assert chunked.backward_extra_s == pytest.approx(lm_head.forward_s.at(cm.loads(tokens, seq_len=50)[head]))
+    assert chunked.backward_extra_s == pytest.approx(lm_head.forward_s.at(cm.loads(Forward(tokens, 50))[head]))
     assert {OpId(head, "lm_head"), OpId(head, "loss")} <= set(cm.full_recompute())
 
 

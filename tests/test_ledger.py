@@ -181,7 +181,7 @@ def test_micro_batches_split_and_release_independently():
     ledger = Ledger.for_model(model)
     losses = []
     for mb, rows in [(0, 5), (1, 3)]:
-        ledger.micro_batch = mb
+        ledger.micro_batches.running = mb
         with ledger.track():
             losses.append(model(torch.randn(rows, 4)).sum())
     per_row = (4 + 8 + 8) * F32
@@ -213,7 +213,7 @@ def test_current_op_attribution():
 def test_new_storage_at_a_reused_address_is_a_new_record():
     buf = np.zeros(64, dtype=np.float32)
     ledger = Ledger()
-    ledger.micro_batch = 0
+    ledger.micro_batches.running = 0
     first = torch.from_numpy(buf)
     ledger.record(first)
     again = torch.from_numpy(buf)  # another storage object on the same memory, while it is live
@@ -221,7 +221,7 @@ def test_new_storage_at_a_reused_address_is_a_new_record():
     assert ledger.live_device_bytes == 64 * F32
     del first, again
     assert ledger.live_device_bytes == 0
-    ledger.micro_batch = 1
+    ledger.micro_batches.running = 1
     reused = torch.from_numpy(buf)  # a new storage at the old address: a stale entry would hide it
     assert reused.untyped_storage().data_ptr() == buf.ctypes.data
     ledger.record(reused)
@@ -233,7 +233,7 @@ def test_repeated_graphs_reuse_addresses_without_stale_counts():
     model = mlp()
     ledger = Ledger.for_model(model)
     for mb in range(4):
-        ledger.micro_batch = mb
+        ledger.micro_batches.running = mb
         with ledger.track():
             loss = model(torch.randn(5, 4)).sum()
         assert ledger.by_micro_batch() == {mb: 400}
@@ -297,7 +297,7 @@ def test_releases_from_other_threads():
 
 def test_simulated_capacity_raises_before_counting():
     ledger = Ledger(capacity_bytes=1000, static_bytes=600, current_op=lambda: "expert_fc1")
-    ledger.micro_batch = 3
+    ledger.micro_batches.running = 3
     kept = torch.ones(50)  # 200 bytes: static 600 + 200 <= 1000
     ledger.record(kept)
     before = (ledger.live_device_bytes, ledger.peak_device_bytes, ledger.records(), ledger.by_op())
@@ -493,7 +493,7 @@ def test_a_save_past_spill_at_moves_the_earliest_activations_only_the_graph_hold
 def test_spilled_activations_of_a_graph_dropped_without_backward_are_released():
     x = torch.randn(8, requires_grad=True)
     ledger = Ledger(capacity_bytes=96)
-    ledger.spill_at, ledger.micro_batch = 96, 0
+    ledger.spill_at, ledger.micro_batches.running = 96, 0
     with ledger.track():
         y = _sines(x)
     assert ledger.by_micro_batch("spilled") == {0: 32}

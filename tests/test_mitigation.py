@@ -269,10 +269,10 @@ def test_offload_reuses_host_buffers_and_prefetches_the_op_before(monkeypatch):
         pool, made = runtime.hooks.pool, []
         for mb in range(3):
             model.zero_grad(set_to_none=True)
-            runtime.ledger.micro_batch = mb
+            runtime.micro_batches.running = mb
             with runtime.forward():
                 out = model(input_ids=IDS, labels=IDS).loss
-            copies = [ref() for group in _groups(runtime.hooks, mb) for ref in group.copies]
+            copies = [ref() for group in _groups(runtime, mb) for ref in group.copies]
             out.backward()
             early = [c for c in copies if getattr(c, "early", False)]
             prefetched += len(early)
@@ -288,8 +288,9 @@ def test_offload_reuses_host_buffers_and_prefetches_the_op_before(monkeypatch):
     assert prefetched > 0 and served == prefetched  # each prefetched copy was read
 
 
-def _groups(hooks, mb):
-    group = hooks._last_offload.get(mb)
+def _groups(runtime, mb):
+    state = runtime.micro_batches.get(mb)
+    group = None if state is None else state.offloads
     while group is not None:
         yield group
         group = group.before

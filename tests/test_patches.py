@@ -35,7 +35,7 @@ def restored():
 
 
 def _train_step(model, runtime: PlanRuntime) -> None:
-    runtime.ledger.micro_batch = 0
+    runtime.micro_batches.running = 0
     with runtime.forward():
         loss = model(input_ids=IDS, labels=IDS).loss
     loss.backward()

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, tiny_model
 from bagualu_plugin.adapters.costs import model_cost, model_dims
-from bagualu_plugin.costmodel import CostModel, ModelDims, OpId
+from bagualu_plugin.costmodel import CostModel, ForwardKind, ModelDims, OpId
 from bagualu_plugin.costmodel.dims import EXPERT_TARGETS, param_count
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -67,7 +67,7 @@ def test_autocast_to_the_model_dtype_is_predicted_and_exact(family, training):
     else:
         dropout, experts = (0.1, False) if "dropout" in training else (0.0, True)
         model = lora(family, dropout=dropout, experts=experts, dtype=torch.bfloat16)
-    cm, plain = model_cost(model, autocast="bf16"), model_cost(model)
+    cm, plain = model_cost(model, kind=ForwardKind(autocast="bf16")), model_cost(model)
     moe = cm.moe_layers[0]
     changed = training != "full" or FAMILIES[family].router_fp32  # elsewhere autocast casts nothing: all is BF16 already
     assert model_dims(model).autocast is None and (cm.blocks[moe] != plain.blocks[moe]) == changed

@@ -29,7 +29,7 @@ def _runtime(model, plan=()) -> PlanRuntime:
 
 def _micro_batch(runtime: PlanRuntime, mb: int, ids: torch.Tensor, backward: bool = True):
     """The bytes micro-batch `mb` keeps, after its backward; else also its loss (its graph)."""
-    runtime.ledger.micro_batch = mb
+    runtime.micro_batches.running = mb
     with runtime.forward():
         loss = runtime.adapter.model(input_ids=ids, labels=ids).loss
     kept = runtime.ledger.by_micro_batch().get(mb, 0)
@@ -54,7 +54,7 @@ def test_hooks_are_installed_once_and_removed_with_the_runtime():
     assert installed > bare
     inside = []
     for mb, ids in enumerate(BATCHES):
-        runtime.ledger.micro_batch = mb
+        runtime.micro_batches.running = mb
         with runtime.forward():
             inside.append(_hooks(model))
             loss = model(input_ids=ids, labels=ids).loss
@@ -86,7 +86,7 @@ def test_the_hooks_do_nothing_outside_a_training_forward():
         model.generate(ids[:, :4], max_new_tokens=3, do_sample=False)
         out = model(input_ids=ids, labels=ids).loss  # a training forward nobody planned
         assert (entered, calls, runtime.tracker.current, runtime.ledger.records()) == ([], [], None, [])
-        assert top_hooks() == (same, same) and not hooks._forms and not hooks._last_offload
+        assert top_hooks() == (same, same) and not hooks._forms and not any(runtime.micro_batches)
         out.backward()
         kept = _micro_batch(runtime, 0, ids)
         assert kept > 0 and OpId(1, "expert_fc1") in entered and {"layer_inputs", "new_forward", "pack"} <= set(calls)
@@ -253,7 +253,7 @@ def test_a_forward_whose_plan_stores_nothing_only_counts_its_saves():
     for stores in (False, True):  # the stored plan's offload is kept: it is under offload_min_bytes
         runtime = PlanRuntime(model, options=MitigationOptions(offload_min_bytes=1 << 40)).install()
         runtime.set_plan(Plan({**recompute, OpId(1, "expert_fc1"): "offload"} if stores else recompute))
-        runtime.ledger.micro_batch = 0
+        runtime.micro_batches.running = 0
         with runtime.forward():
             assert top_hooks()[0] == (runtime.hooks.pack if stores else runtime.ledger.pack)
             loss = model(input_ids=BATCHES[0], labels=BATCHES[0]).loss

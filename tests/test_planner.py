@@ -3,7 +3,7 @@
 import pytest
 
 from bagualu_plugin.config import load_recipe
-from bagualu_plugin.costmodel import BlockGraph, CostModel, LinearForm, OpId, OpSpec, TensorSpec
+from bagualu_plugin.costmodel import BlockGraph, CostModel, Forward, LinearForm, OpId, OpSpec, TensorSpec
 from bagualu_plugin.hardware import HardwareSpec
 from bagualu_plugin.planner import BudgetState, GatePlan, InfeasibleBudget, at_gate, escalated, gate_costs, plan_for_gates, plan_micro_batch
 from bagualu_plugin.stage import Stage
@@ -77,7 +77,7 @@ def test_algorithm_2_takes_the_largest_reduction_first():
     # x and w as 100 one-byte codes and one 4-byte scale each (1200 - 800 + 2 x 104 = 608 B), but
     # its backward needs them back at full precision beside those: 1408 B. Recomputing a drops w
     # (it made it) and holds x, its input: 800 B.
-    assert cm.footprint(1, plan={OpId(0, "c"): "recompute", OpId(0, "a"): "fp8"}).needed_bytes == 608 + 800
+    assert cm.footprint(Forward(1), plan={OpId(0, "c"): "recompute", OpId(0, "a"): "fp8"}).needed_bytes == 608 + 800
     d = plan_micro_batch(cm, 1000, tokens=1)
     assert dict(d.plan) == {OpId(0, "c"): "recompute", OpId(0, "a"): "recompute"} and d.activation_bytes == 800
     assert d.room_bytes == 0 and d.steps == 2
@@ -98,7 +98,7 @@ def _gated(plan, gates):
 def test_algorithm_2_rejects_conflicting_candidates_and_reports_infeasible_budgets():
     cm = _model()
     # Offloading a keeps 1200 B and needs its 800 B back in backward: 2000 B, as many as before.
-    f = cm.footprint(1, plan={OpId(0, "a"): "offload"})
+    f = cm.footprint(Forward(1), plan={OpId(0, "a"): "offload"})
     assert (f.device_bytes, f.reload_bytes, f.needed_bytes) == (1200, 800, 2000)
     # Offload only: a is still taken (it frees 800 B of what stays on the device, room for the
     # next offloads; c ties but is later in op order); then c's offload would conflict with b
@@ -154,7 +154,7 @@ def test_plans_leave_each_gate_what_it_needs_at_the_heaviest_routing():
         return GatePlan.of(d, costs(d.plan), planned, heaviest)
 
     def kept_at_spike(p) -> float:
-        return cm.footprint(tokens, [heaviest], seq, escalated(p, layer), options).needed_bytes
+        return cm.footprint(Forward(tokens, seq, [heaviest]), escalated(p, layer), options).needed_bytes
 
     first = plan(budget)
     assert budget - first.activation_bytes - first.room_bytes < costs(first.plan)[layer].escalation_bytes(heaviest, planned)
@@ -183,7 +183,7 @@ def test_algorithm_2_fits_what_full_recompute_keeps():
     cm, tokens, seq, options = stage.cost, stage.tokens, stage.recipe.batch.seq_len, stage.options
     routed = 1.2 * tokens * cm.pairs_per_token
     strategies = stage.recipe.strategies.allowed
-    whole = cm.footprint(tokens, routed, seq, cm.full_recompute(), options).needed_bytes
+    whole = cm.footprint(Forward(tokens, seq, routed), cm.full_recompute(), options).needed_bytes
     at_whole = plan_micro_batch(cm, whole, tokens, routed, seq, strategies, options)
     assert at_whole.activation_bytes + at_whole.room_bytes <= whole
     with pytest.raises(InfeasibleBudget):  # without recompute nothing gets there

@@ -18,7 +18,7 @@ import torch
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, tiny_config, tiny_model
 from bagualu_plugin.config import load_recipe
-from bagualu_plugin.costmodel import CostModel, MitigationOptions
+from bagualu_plugin.costmodel import CostModel, Forward, MitigationOptions
 from bagualu_plugin.planner import InfeasibleBudget, PathPlanner, plan_micro_batch
 from bagualu_plugin.planner import decider as decider_module
 from bagualu_plugin.planner import path as path_module
@@ -109,7 +109,7 @@ def _routings(case: Case, tokens: int, rng: random.Random) -> list[list[float]]:
 def _budgets(case: Case, key, strategies: tuple[str, ...], rng: random.Random, n: int) -> list[float]:
     """From 0 (below every plan) to above the unmitigated need."""
     tokens, seq_len, pairs = key
-    top = case.cm.footprint(tokens, pairs, seq_len, None, case.options).needed_bytes
+    top = case.cm.footprint(Forward(tokens, seq_len, pairs), None, case.options).needed_bytes
     return [0.0, 1.1 * top] + [rng.uniform(0.05 * top, top) for _ in range(n)]
 
 
@@ -203,7 +203,7 @@ def _stream(decider: Decider, stage: Stage, rng: random.Random, forwards: int, s
         spike = rng.random() < spikes
         for layer in cm.moe_layers:
             decider.at_gate(f, layer, f.balanced * (rng.uniform(1.2, SPIKE) if spike else rng.uniform(0.9, NORMAL)))
-        kept = cm.footprint(texts * length, list(f.routed.values()), length, f.plan, stage.options)
+        kept = cm.footprint(Forward(texts * length, length, list(f.routed.values())), f.plan, stage.options)
         decider.end(f, round(kept.device_bytes + kept.room_bytes))
         yield f
 
@@ -317,7 +317,7 @@ def test_a_foreseen_routing_is_planned_as_the_greedy_from_scratch(cases):
         for routed in _routings(case, case.tokens, rng):
             pairs = tuple(math.ceil(r / case.routed_quantum) * case.routed_quantum for r in routed)
             foresight = Foresight(band, dict(zip(case.cm.moe_layers, routed)))
-            top = case.cm.footprint(case.tokens, pairs, case.seq_len, None, case.options).needed_bytes
+            top = case.cm.footprint(Forward(case.tokens, case.seq_len, pairs), None, case.options).needed_bytes
             for budget in [0.0, 1.1 * top] + [rng.uniform(0.3 * top, top) for _ in range(4)]:
                 floor = int(budget // case.budget_quantum) * case.budget_quantum
                 want = _outcome(plan_micro_batch, case.cm, floor, case.tokens, pairs, case.seq_len, case.allowed, case.options)

@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import bagualu_plugin as bgl
 from bagualu_plugin.adapters import FAMILIES, Adapter, UnsupportedModelError, save_tiny, tiny_model
 from bagualu_plugin.cli import main
-from bagualu_plugin.costmodel import CostModel, LinearForm, Load, ModelDims, OpId
+from bagualu_plugin.costmodel import CostModel, Forward, LinearForm, Load, ModelDims, OpId
 from bagualu_plugin.costmodel.fit import BlockSample, TensorSample, fit_block, fit_linear
 from bagualu_plugin.runtime.plan_runtime import apply_plan
 from bagualu_plugin.runtime.profiler import measure_micro_batch
@@ -102,7 +102,7 @@ def test_profile_round_trips_through_json(qwen3_profile, tmp_path):
     qwen3_profile.save(tmp_path / "cost.json")
     back = CostModel.load(tmp_path / "cost.json")
     assert back.activation_bytes(200, seq_len=50) == qwen3_profile.activation_bytes(200, seq_len=50)
-    assert back.micro_batch(200, seq_len=50) == qwen3_profile.micro_batch(200, seq_len=50)
+    assert back.micro_batch(Forward(200, 50)) == qwen3_profile.micro_batch(Forward(200, 50))
     assert back.blocks[1].spans == qwen3_profile.blocks[1].spans != ()
 
 

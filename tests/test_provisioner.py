@@ -12,11 +12,10 @@ from helpers import tiny_recipe
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
 from bagualu_plugin.config import Recipe, load_recipe
-from bagualu_plugin.costmodel import ModelDims, OpId
+from bagualu_plugin.costmodel import Forward, ForwardKind, ModelDims, OpId
 from bagualu_plugin.planner import GateDecision, at_gate
 from bagualu_plugin.runtime import Ledger, SimulatedOutOfMemoryError
 from bagualu_plugin.runtime.driver import run_iteration
-from bagualu_plugin.runtime.forward_kind import ForwardKind
 from bagualu_plugin.runtime.provisioner import apply
 from bagualu_plugin.sim import read_trace
 from bagualu_plugin.sim.trace import bucket
@@ -181,20 +180,26 @@ def test_engine_phase_and_in_flight_are_checked():
     prov = apply(model, _recipe(model, int(2.5 * cm.activation_bytes(BATCH * SEQ, seq_len=SEQ))), cm)
     try:
         with pytest.raises(ValueError, match=r"begin_forward\(0\): the engine says phase='steady'.*expects 'warmup'"):
-            prov.begin_forward(0, BATCH * SEQ, SEQ, phase="steady")
+            prov.begin_forward(0, Forward(BATCH * SEQ, SEQ), phase="steady")
         with pytest.raises(ValueError, match=r"in_flight=2.*expects 0.*end_backward"):
-            prov.begin_forward(0, BATCH * SEQ, SEQ, in_flight=2)
+            prov.begin_forward(0, Forward(BATCH * SEQ, SEQ), in_flight=2)
         with pytest.raises(ValueError, match=r"end_forward\(0\): no forward of micro-batch 0 is running"):
             prov.end_forward(0)
+        with pytest.raises(ValueError, match=r"begin_forward\(0\): forward.routed is known.*foresee\(0, forward\)"):
+            prov.begin_forward(0, Forward(BATCH * SEQ, SEQ, 5))
+        with pytest.raises(ValueError, match=r"foresee\(0\): forward.routed is None"):
+            prov.foresee(0, Forward(BATCH * SEQ, SEQ))
+        with pytest.raises(ValueError, match=r"routed has 1 entries, expected one per MoE layer"):
+            prov.foresee(0, Forward(BATCH * SEQ, SEQ, [5]))
         ids = _batches()[0]
-        prov.begin_forward(0, BATCH * SEQ, SEQ)
+        prov.begin_forward(0, Forward(BATCH * SEQ, SEQ))
         with pytest.raises(ValueError, match=r"begin_forward\(1\): the forward of micro-batch 0 has not ended"):
-            prov.begin_forward(1, BATCH * SEQ, SEQ)
+            prov.begin_forward(1, Forward(BATCH * SEQ, SEQ))
         model(input_ids=ids, labels=ids).loss.backward()
         prov.end_forward(0)
         # a new iteration with micro-batch 0 still awaiting its end_backward: the state is not empty
         with pytest.raises(ValueError, match=r"begin_forward\(0\): micro-batches \[0\] of the last iteration await end_backward"):
-            prov.begin_forward(0, BATCH * SEQ, SEQ)
+            prov.begin_forward(0, Forward(BATCH * SEQ, SEQ))
         prov.end_backward(0)
     finally:
         prov.remove()
@@ -214,9 +219,9 @@ def test_default_cost_model_prices_mitigation_on_the_recipe_s_hardware():
         dims = ModelDims.from_hf_config(model.config, dtype="fp32", attention="sdpa")
         h100, cpu = CostModel.from_config(dims, "h100"), CostModel.from_config(dims, "cpu")
         op, tokens = OpId(1, "expert_fc1"), BATCH * SEQ
-        priced = cm.mitigation_cost(op, "offload", tokens, seq_len=SEQ)
-        assert priced == h100.mitigation_cost(op, "offload", tokens, seq_len=SEQ)
-        assert priced.forward_s != cpu.mitigation_cost(op, "offload", tokens, seq_len=SEQ).forward_s
+        priced = cm.mitigation_cost(op, "offload", Forward(tokens, SEQ))
+        assert priced == h100.mitigation_cost(op, "offload", Forward(tokens, SEQ))
+        assert priced.forward_s != cpu.mitigation_cost(op, "offload", Forward(tokens, SEQ)).forward_s
     finally:
         prov.remove()
 
@@ -248,7 +253,7 @@ def test_a_foreseen_micro_batch_is_planned_for_the_routing_it_brings():
         routing = [prov.routing(model, input_ids=ids) for ids in batches]
         assert routing == seen and prov.ledger.live_device_bytes == 0  # the first pass keeps nothing
         for mb, ids in enumerate(batches):
-            prov.foresee(mb, ids.numel(), SEQ, routing[mb])
+            prov.foresee(mb, Forward(ids.numel(), SEQ, routing[mb]))
         run_iteration(model, batches, prov.stage.schedule, prov)
         foreseen = list(prov.events)[M:]
         for e in foreseen:
@@ -257,8 +262,8 @@ def test_a_foreseen_micro_batch_is_planned_for_the_routing_it_brings():
             assert not e.escalations and not e.deferred and e.actual <= e.budget
         assert any(e.plan for e in foreseen)  # it had to mitigate
         assert all(torch.equal(a, b) for a, b in zip(grads(), stock, strict=True))
-        prov.foresee(0, BATCH * SEQ, SEQ, routing[0])
+        prov.foresee(0, Forward(BATCH * SEQ, SEQ, routing[0]))
         with pytest.raises(ValueError, match=r"begin_forward\(0\): foreseen for 64 tokens of length 32"):
-            prov.begin_forward(0, BATCH * SEQ // 2, SEQ // 2)
+            prov.begin_forward(0, Forward(BATCH * SEQ // 2, SEQ // 2))
     finally:
         prov.remove()

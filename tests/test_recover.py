@@ -48,7 +48,7 @@ def train(plan: Plan, recover: bool):
     try:
         losses = []
         for mb, ids in enumerate(BATCHES):
-            runtime.ledger.micro_batch = mb
+            runtime.micro_batches.running = mb
             with runtime.forward():
                 losses.append(model(input_ids=ids, labels=ids).loss)
         phase[0] = "nothing there"

@@ -41,7 +41,7 @@ def _hook(model, kind: str, fn) -> list:
 
 def _runtime_step(model, runtime: PlanRuntime):
     model.zero_grad(set_to_none=True)
-    runtime.ledger.micro_batch = 0
+    runtime.micro_batches.running = 0
     with runtime.forward():
         loss = model(input_ids=IDS, labels=IDS).loss
     loss.backward()

@@ -6,7 +6,7 @@ import torch
 
 from bagualu_plugin.adapters import tiny_model
 from bagualu_plugin.adapters.costs import model_cost
-from bagualu_plugin.costmodel import BlockGraph, CostModel, LinearForm, ModelDims, OpSpec, TensorSpec
+from bagualu_plugin.costmodel import BlockGraph, CostModel, Forward, LinearForm, ModelDims, OpSpec, TensorSpec
 from bagualu_plugin.hardware import preset
 from bagualu_plugin.runtime.profiler import measure_micro_batch, profile
 
@@ -35,11 +35,15 @@ def test_several_sequences_are_predicted_exactly(glm_eager, glm_eager_cost, batc
 
 def test_missing_seq_len_is_an_error_naming_it(glm_eager_cost):
     cm = glm_eager_cost
-    for query in (cm.activation_bytes, cm.footprint, cm.micro_batch, cm.op_costs):
+    with pytest.raises(ValueError, match=r"seq_len is required: .*attn_core.*per_score"):
+        cm.activation_bytes(300)
+    for query in (cm.footprint, cm.micro_batch, cm.op_costs):
         with pytest.raises(ValueError, match=r"seq_len is required: .*attn_core.*per_score"):
-            query(300)
+            query(Forward(300))
+    with pytest.raises(TypeError, match=r"forward: expected a costmodel.Forward"):
+        cm.footprint(300)
     with pytest.raises(ValueError, match="seq_len is required"):
-        cm.mitigation_cost(cm.ops()[0], "recompute", 300)
+        cm.mitigation_cost(cm.ops()[0], "recompute", Forward(300))
 
 
 def _dims(**kw) -> ModelDims:

@@ -8,6 +8,7 @@ import pytest
 
 from bagualu_plugin.cli import main
 from bagualu_plugin.config import builtin_recipes, load_recipe
+from bagualu_plugin.costmodel import Forward
 from bagualu_plugin.costmodel.plan import Plan
 from bagualu_plugin.sim import SYSTEMS, iteration_time, read_trace, routing_trace, simulate
 from bagualu_plugin.sim.run import fits
@@ -107,8 +108,8 @@ def test_memoised_costs_are_the_cost_models():
             imbalance = tuple(1.0 + 0.25 * k for k in range(len(cm.moe_layers)))
             got = costs.under(Plan(plan)).at(imbalance)
             routed = [costs.balanced * x for x in imbalance]
-            want = cm.micro_batch(s.tokens, routed, recipe.batch.seq_len, plan, s.options)
-            fp = cm.footprint(s.tokens, routed, recipe.batch.seq_len, plan, s.options)
+            want = cm.micro_batch(Forward(s.tokens, recipe.batch.seq_len, routed), plan, s.options)
+            fp = cm.footprint(Forward(s.tokens, recipe.batch.seq_len, routed), plan, s.options)
             assert got.forward_s == pytest.approx(want.forward_s, rel=1e-12)
             assert got.backward_s == pytest.approx(want.backward_s, rel=1e-12)
             assert got.device_bytes == pytest.approx(want.activation_bytes, rel=1e-12)

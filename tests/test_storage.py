@@ -109,10 +109,10 @@ def test_hook_bookkeeping_stays_flat_over_many_iterations():
     try:
         runtime.set_plan(Plan(dict.fromkeys(bgl.list_ops(model), "offload")))
         for _ in range(8):
-            runtime.ledger.micro_batch = 0
+            runtime.micro_batches.running = 0
             with runtime.forward():
                 loss = model(input_ids=IDS, labels=IDS).loss
-            group, length = runtime.hooks._last_offload[0], 0
+            group, length = runtime.micro_batches.get(0).offloads, 0
             while group is not None:
                 group, length = group.before, length + 1
             lengths.append(length)

@@ -37,6 +37,7 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 from bagualu_plugin import cli  # noqa: E402
 from bagualu_plugin.adapters.costs import model_cost  # noqa: E402
 from bagualu_plugin.adapters.tiny import save_tiny, tiny_tokenizer  # noqa: E402
+from bagualu_plugin.costmodel import ForwardKind  # noqa: E402
 from bagualu_plugin.costmodel.plan import Plan  # noqa: E402
 from bagualu_plugin.integrations.transformers import BagualuCallback, UnplannedCallback  # noqa: E402
 from bagualu_plugin.parallel.launch import free_port  # noqa: E402
@@ -108,7 +109,7 @@ def _compare(checkpoints, family: str, kind: str, lora: bool = False, dtype=torc
     prov = callback.provisioner
     assert prov.peak_device_bytes <= capacity < max(unplanned.peaks[1:])  # the run without the plugin would not fit
     events = list(prov.events)
-    assert len(events) == STEPS * M and any(e.plan for e in events) and not prov._awaiting_backward
+    assert len(events) == STEPS * M and any(e.plan for e in events) and not prov.awaits_backward()
     records = [r for r in ours[2].state.log_history if "loss" in r]
     assert all(r["bagualu/capacity_bytes"] == capacity and r["bagualu/micro_batches"] == M for r in records)
     assert records[-1]["bagualu/peak_device_bytes"] == prov.peak_device_bytes and records[-1]["bagualu/mitigated_ops"] > 0
@@ -121,7 +122,7 @@ def _compare(checkpoints, family: str, kind: str, lora: bool = False, dtype=torc
     assert {e.kind["masked"] for e in events} == {False, True}  # padded micro-batches and others
     for e in events:  # micro-batches of every length the collator made
         key = tuple(e.kind.items())
-        costs[key] = costs.get(key) or model_cost(model, **e.kind)
+        costs[key] = costs.get(key) or model_cost(model, kind=ForwardKind(**e.kind))
         assert e.actual == costs[key].activation_bytes(e.tokens, seq_len=e.seq_len, plan=Plan(e.plan))
     return callback, ours[2]
 

@@ -111,6 +111,12 @@ class Adapter:
         return next((getattr(layer.experts, GROUP_ATTR) for layer in self.layers if layer.moe and layer.expert_parallel), None)
 
     @property
+    def weight(self) -> torch.Tensor:
+        """The model's first parameter: the dtype and device it computes in, as its cost model and
+        the messages about it read them (the meta device's for another pipeline stage's)."""
+        return next(self.model.parameters())
+
+    @property
     def head_index(self) -> int:
         """Block index of the final norm, LM head and loss (one past the last decoder layer)."""
         return len(self.layers)

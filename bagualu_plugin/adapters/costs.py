@@ -9,7 +9,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..costmodel import CostModel, ModelDims, Parallel
+from ..costmodel import CostModel, ForwardKind, ModelDims, Parallel
 from ..costmodel.conflicts import Conflict, conflicts
 from ..costmodel.dims import LoraDims, lora_shapes
 from ..costmodel.plan import Plan
@@ -27,7 +27,7 @@ def model_dims(model: nn.Module) -> ModelDims:
     routers' weights' dtype where it is not the family's (`router_dtype`). The
     dimensions of the checkpoint, not of the machine: `device` is left to `model_cost`."""
     adapter = Adapter(model)
-    weight = next(adapter.model.parameters())
+    weight = adapter.weight
     dims = ModelDims.from_hf_config(adapter.config, dtype=DTYPES[weight.dtype], attention=_attention_kernel(adapter, weight))
     lora = _lora(adapter, dims)
     zero3 = getattr(torch.nn.functional.linear, "__module__", None) == "deepspeed.runtime.zero.linear"
@@ -40,36 +40,26 @@ def model_dims(model: nn.Module) -> ModelDims:
     return ModelDims.model_validate({**dict(dims), "lora": lora, "zero3_linear": zero3, "router_dtype": router_dtype})
 
 
-def model_cost(
-    model: nn.Module,
-    hardware: HardwareSpec | str = "cpu",
-    masked: bool = False,
-    fused_head: bool = False,
-    loss_divisor_bytes: int = 0,
-    router_aux_loss: str = "none",
-    autocast: str | None = None,
-    loss: bool = True,
-) -> CostModel:
+def model_cost(model: nn.Module, hardware: HardwareSpec | str = "cpu", kind: ForwardKind = ForwardKind()) -> CostModel:
     """The analytic cost model of a supported HF model (`model_dims`) on `hardware` (a preset
     name or a spec, e.g. a recipe's `hardware`), on this rank of its expert-parallel group
-    (`bgl.expert_parallel`) if it has one. Of the micro-batches (`runtime.forward_kind.ForwardKind`)
-    whose attention gets a padding or packing mask, which SDPA keeps (`masked`), whose head is
-    TRL's fused one (`fused_head`), whose loss divides by a token count tensor of that many
-    bytes (`loss_divisor_bytes`: the Trainer's `num_items_in_batch`), which add the routers'
-    load-balancing loss (`router_aux_loss`, `ModelDims.router_aux_loss`), which run under autocast
-    to a dtype ("bf16" or "fp16": `autocast`, `ModelDims.autocast`), whose model computes no loss
-    (`loss=False`: no labels given, the caller's loss runs on the logits after the forward)."""
-    group = Adapter(model).expert_group
+    (`bgl.expert_parallel`) if it has one, of the forwards of `kind` (`costmodel.ForwardKind`):
+    attention given a padding or packing mask, which SDPA keeps; TRL's fused head; a loss that
+    divides by a token count tensor (the Trainer's `num_items_in_batch`); the routers'
+    load-balancing loss (`ModelDims.router_aux_loss`); autocast to "bf16" or "fp16"
+    (`ModelDims.autocast`); no loss computed (no labels: the caller's loss runs on the logits)."""
+    adapter = Adapter(model)
+    group = adapter.expert_group
     parallel = Parallel(ep=group.size, ep_rank=group.rank, all_to_all=True) if group else Parallel()
     dims = model_dims(model)
-    if next(model.parameters()).device.type == "cpu":  # else CUDA's (the meta device's too)
+    if adapter.weight.device.type == "cpu":  # else CUDA's (the meta device's too)
         dims = dims.model_copy(update={"device": "cpu"})
-    if masked and dims.attention == "sdpa":
+    if kind.masked and dims.attention == "sdpa":
         dims = dims.model_copy(update={"attention": "sdpa_masked"})
-    if fused_head or not loss:
-        dims = dims.model_copy(update={"lm_head": "trl_fused" if fused_head else "hf_logits"})
+    if kind.fused_head or not kind.loss:
+        dims = dims.model_copy(update={"lm_head": "trl_fused" if kind.fused_head else "hf_logits"})
     dims = ModelDims.model_validate(
-        {**dict(dims), "loss_divisor_bytes": loss_divisor_bytes, "router_aux_loss": router_aux_loss, "autocast": autocast}
+        {**dict(dims), "loss_divisor_bytes": kind.loss_divisor_bytes, "router_aux_loss": kind.router_aux_loss, "autocast": kind.autocast}
     )
     return CostModel.from_config(dims, hardware, parallel)
 

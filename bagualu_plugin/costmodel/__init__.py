@@ -2,6 +2,7 @@
 mitigation costs from the roofline of each strategy, and the iteration curve of a stage."""
 
 from .dims import FAMILIES, LoraDims, MLADims, ModelDims, Parallel, param_count
+from .forward import Forward, ForwardKind
 from .graph import LAYER_OPS, BlockGraph, OpId, OpSpec, TensorSpec
 from .linear import LinearForm, Load
 from .mitigation import MITIGATIONS, STRATEGIES, Footprint, MitigationOptions, footprint
@@ -20,7 +21,7 @@ from .roofline import Roofline, crossover
 
 __all__ = [
     "FAMILIES", "LAYER_OPS", "MITIGATIONS", "STRATEGIES", "BlockGraph", "CostModel", "Curve",
-    "Footprint", "LinearForm", "Load", "LoraDims", "MLADims", "MicroBatchCost", "MitigationCost",
+    "Footprint", "Forward", "ForwardKind", "LinearForm", "Load", "LoraDims", "MLADims", "MicroBatchCost", "MitigationCost",
     "MitigationOptions", "ModelDims", "OpCost", "OpId", "OpSpec", "Parallel", "Roofline", "Step",
     "TensorSpec", "crossover", "footprint", "interleaved_one_f_one_b", "iteration_curve", "one_f_one_b",
     "param_count", "release_order", "warmup_depth",

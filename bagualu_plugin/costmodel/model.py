@@ -18,6 +18,7 @@ from pathlib import Path
 from ..hardware import HardwareSpec, preset
 from . import analytic
 from .dims import ModelDims, Parallel
+from .forward import Forward, Routed
 from .graph import BlockGraph, OpId, OpSpec, TensorSpec
 from .linear import LinearForm, Load
 from .mitigation import MITIGATIONS, Footprint, MitigationOptions, device_bytes_by_op, footprint, holding_regions, memoised
@@ -25,7 +26,6 @@ from .pipeline import MicroBatchCost, stage_layers
 from .plan import Plan
 
 FORMAT = "bagualu-costmodel/1"
-Routed = float | Sequence[float] | None
 
 
 @dataclass(frozen=True)
@@ -128,11 +128,12 @@ class CostModel:
         self._check_seq_len(tokens, seq_len)
         return Load.of(tokens, routed, seq_len, self.pairs_per_token)
 
-    def loads(self, tokens: int, routed: Routed = None, seq_len: int | None = None) -> dict[int, Load]:
-        """The load of each block. `routed`: local routed pairs of every MoE layer (a number for
-        all, or one per MoE layer in order); None means balanced routing, tokens * pairs_per_token.
-        `seq_len`: tokens per sequence; None reads the micro-batch as one sequence, which only a
-        model without per-sequence tensors allows."""
+    def loads(self, forward: Forward) -> dict[int, Load]:
+        """The load of each block under `forward` (its routed pairs one per MoE layer of this
+        model, or one number for all; its `seq_len` where the model keeps per-sequence tensors)."""
+        if not isinstance(forward, Forward):
+            raise TypeError(f"forward: expected a costmodel.Forward(tokens, seq_len, routed, kind), got {forward!r:.80}")
+        tokens, routed, seq_len = forward.tokens, forward.routed, forward.seq_len
         self._check_seq_len(tokens, seq_len)
         moe = self.moe_layers
         if routed is None or isinstance(routed, (int, float)):
@@ -167,14 +168,10 @@ class CostModel:
         return {i: dict(blocks.get(i, ())) for i in self.blocks}
 
     def footprint(
-        self,
-        tokens: int,
-        routed: Routed = None,
-        seq_len: int | None = None,
-        plan: Mapping[OpId, str] | None = None,
-        options: MitigationOptions = MitigationOptions(),
+        self, forward: Forward, plan: Mapping[OpId, str] | None = None, options: MitigationOptions = MitigationOptions()
     ) -> Footprint:
-        return self.footprint_at(self.loads(tokens, routed, seq_len), plan, options)
+        """The bytes `forward` keeps under `plan` and the time its mitigations add (`mitigation.footprint`)."""
+        return self.footprint_at(self.loads(forward), plan, options)
 
     def footprint_at(
         self, loads: Mapping[int, Load], plan: Mapping[OpId, str] | None = None, options: MitigationOptions = MitigationOptions()
@@ -199,18 +196,13 @@ class CostModel:
         return any(holds_arguments(block, plans[i]) for i, block in self.blocks.items())
 
     def device_bytes_by_op(
-        self,
-        tokens: int,
-        routed: Routed = None,
-        seq_len: int | None = None,
-        plan: Mapping[OpId, str] | None = None,
-        options: MitigationOptions = MitigationOptions(),
+        self, forward: Forward, plan: Mapping[OpId, str] | None = None, options: MitigationOptions = MitigationOptions()
     ) -> dict[OpId, float]:
         """`footprint`'s device bytes per op, charged as the Ledger charges them (`mitigation.
         device_bytes_by_op`); the layer arguments that recompute regions hold (position ids,
         masks), to the op that made them. Per block the sums are what the Ledger counts; within
         a block a storage two ops save may be charged to either."""
-        loads, plans = self.loads(tokens, routed, seq_len), self._split(plan)
+        loads, plans = self.loads(forward), self._split(plan)
         holding = {i for i, block in self.blocks.items() if holds_arguments(block, plans[i])}
         out: dict[OpId, float] = {}
         for i, block in self.blocks.items():
@@ -252,27 +244,23 @@ class CostModel:
         plan: Mapping[OpId, str] | None = None,
         options: MitigationOptions = MitigationOptions(),
     ) -> int:
-        """Bytes the autograd graph holds on the device at the end of one forward micro-batch."""
-        return round(self.footprint(tokens, routed, seq_len, plan, options).device_bytes)
+        """Bytes the autograd graph holds on the device at the end of one forward micro-batch of
+        `tokens` tokens (`Forward`'s fields, as plain numbers: the question users ask)."""
+        return round(self.footprint(Forward(tokens, seq_len, routed), plan, options).device_bytes)
 
     def micro_batch(
-        self,
-        tokens: int,
-        routed: Routed = None,
-        seq_len: int | None = None,
-        plan: Mapping[OpId, str] | None = None,
-        options: MitigationOptions = MitigationOptions(),
+        self, forward: Forward, plan: Mapping[OpId, str] | None = None, options: MitigationOptions = MitigationOptions()
     ) -> MicroBatchCost:
         """The micro-batch triangle: summed op times plus mitigation overhead, and device bytes."""
-        loads = self.loads(tokens, routed, seq_len)
-        fp = self.footprint(tokens, routed, seq_len, plan, options)
+        loads = self.loads(forward)
+        fp = self.footprint_at(loads, plan, options)
         fwd = sum(op.forward_s.at(loads[i]) for i, b in self.blocks.items() for op in b.ops)
         bwd = sum(op.backward_s.at(loads[i]) for i, b in self.blocks.items() for op in b.ops)
         return MicroBatchCost(fwd + fp.forward_extra_s, bwd + fp.backward_extra_s, fp.device_bytes)
 
-    def op_costs(self, tokens: int, routed: Routed = None, seq_len: int | None = None) -> list[OpCost]:
+    def op_costs(self, forward: Forward) -> list[OpCost]:
         """Per-operator (Δt_f, Δt_b, Δm) with nothing mitigated; Δm sums to `activation_bytes`."""
-        loads, rows = self.loads(tokens, routed, seq_len), []
+        loads, rows = self.loads(forward), []
         for i, block in self.blocks.items():
             charged = dict.fromkeys(block.op_names, 0.0)
             for t in block.path_tensors():
@@ -287,9 +275,7 @@ class CostModel:
         self,
         op: OpId | Sequence[OpId],
         strategy: str,
-        tokens: int,
-        routed: Routed = None,
-        seq_len: int | None = None,
+        forward: Forward,
         base: Mapping[OpId, str] | None = None,
         options: MitigationOptions = MitigationOptions(),
     ) -> MitigationCost:
@@ -303,7 +289,7 @@ class CostModel:
         block = self.blocks[layer]
         for o in ops:
             block.op(o.name)
-        load = self.loads(tokens, routed, seq_len)[layer]
+        load = self.loads(forward)[layer]
         plans = self._split(base)[layer]
         before = footprint(block, plans, load, self.hardware, options)
         after = footprint(block, {**plans, **{o.name: strategy for o in ops}}, load, self.hardware, options)
@@ -316,12 +302,7 @@ class CostModel:
         )
 
     def mitigated(
-        self,
-        tokens: int,
-        routed: Routed = None,
-        seq_len: int | None = None,
-        plan: Mapping[OpId, str] | None = None,
-        options: MitigationOptions = MitigationOptions(),
+        self, forward: Forward, plan: Mapping[OpId, str] | None = None, options: MitigationOptions = MitigationOptions()
     ) -> dict[str, float]:
         """The device bytes `plan` takes off the micro-batch, per strategy: each block's
         strategies applied one after another (recompute, offload, fp8), each credited with what
@@ -332,7 +313,7 @@ class CostModel:
         plans = {i: p for i, p in self._split(plan).items() if p}
         if not plans:
             return out
-        loads = self.loads(tokens, routed, seq_len)
+        loads = self.loads(forward)
         for i, block_plan in plans.items():
             kept, applied = footprint(self.blocks[i], {}, loads[i], self.hardware, options).device_bytes, {}
             for strategy in MITIGATIONS:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from ..adapters import Adapter
 from ..adapters.gate import RoutingSkew
 from ..config import Telemetry
+from ..costmodel import Forward
 from ..costmodel.pipeline import Step
 from ..costmodel.plan import Plan
 from ..planner.decider import static_plan
@@ -175,7 +176,7 @@ class PolicyRun:
             for mb, ids in enumerate(self.batches):
                 with self._skew(it, mb):
                     routed = self.runner.routing(self.model, input_ids=ids)
-                self.runner.foresee(mb, ids.numel(), ids.shape[-1], routed)
+                self.runner.foresee(mb, Forward(ids.numel(), ids.shape[-1], routed))
 
         @contextmanager
         def around(step: Step):
@@ -188,7 +189,7 @@ class PolicyRun:
             with ExitStack() as stack:
                 stack.enter_context(self._skew(it, mb))
                 if step.kind == "F" and not adaptive:
-                    ledger.micro_batch = mb
+                    ledger.micro_batches.running = mb
                     stack.enter_context(self._forward())
                 yield
             if step.kind == "F" and adaptive:

@@ -35,9 +35,8 @@ from transformers.trainer_callback import CallbackHandler
 
 from ..adapters import Adapter
 from ..adapters.costs import model_cost
-from ..costmodel import CostModel
+from ..costmodel import CostModel, ForwardKind
 from ..derive import PartialRecipe, derive_recipe
-from ..runtime.forward_kind import ForwardKind
 from ..runtime.ledger import Ledger
 from ..runtime.provisioner import Provisioner
 from ..runtime.static_memory import StaticMemory

@@ -7,7 +7,7 @@ pairs; the simulator (`sim.systems`) with the cost model's bytes and a routing t
 through this one class.
 
 A rank may plan several cost models, one per `key`: the model chunks of interleaved 1F1B (§VI-A)
-in the simulator, the kinds of forward a trainer runs (`runtime.forward_kind.ForwardKind`) in the
+in the simulator, the kinds of forward a trainer runs (`costmodel.ForwardKind`) in the
 Provisioner. Each key's plans come from one `PathPlanner`, whatever the shape: a few paths of
 Algorithm 2 computed on forms of the shape, answered in buckets of 1/16 of M0 and of the balanced
 routing, with each plan's gates read off forms too. A trainer that pads each micro-batch to its
@@ -64,7 +64,7 @@ class Escalation:
 
 
 @dataclass
-class Forward:
+class Decisions:
     """The decisions of the micro-batch whose forward runs: made by `Decider.begin`, updated at
     each of its MoE gates by `Decider.at_gate`, closed by `Decider.end`."""
 
@@ -239,7 +239,7 @@ class Decider:
     def begin(
         self, k: int, tokens: int, seq_len: int | None, key: Hashable = None, foresight: Foresight | None = None,
         held: int = 0,
-    ) -> Forward:
+    ) -> Decisions:
         """Forward k's budget and its plan for the normal band, for `tokens` tokens of `key`; with
         `foresight` (`foresee`'s, for the same micro-batch), its plan for the routing known.
         `held`: bytes the forward keeps beyond its cost model whatever the plan (token ids that
@@ -250,10 +250,10 @@ class Decider:
             gates, slack = plan_for_gates(band.plan, budget, band.planned, band.heaviest)
         else:
             gates, slack = foresight.plan(budget)
-        return Forward(k, budget, gates, gates.decision.plan, slack, self.budgets.headroom(k), band.balanced)
+        return Decisions(k, budget, gates, gates.decision.plan, slack, self.budgets.headroom(k), band.balanced)
 
     def at_gate(
-        self, f: Forward, layer: int, pairs: float, agree: Callable[[bool], bool] | None = None,
+        self, f: Decisions, layer: int, pairs: float, agree: Callable[[bool], bool] | None = None,
         lockstep: Callable[[bool], bool] | None = None,
     ) -> GateDecision:
         """Deferred planning: `pairs` local routed pairs reached `layer`'s experts, which have not
@@ -280,7 +280,7 @@ class Decider:
             f.escalations.append(Escalation(layer, pairs, decision.overrun, decision.slack, together))
         return decision
 
-    def end(self, f: Forward, actual: int) -> None:
+    def end(self, f: Decisions, actual: int) -> None:
         """Forward `f` kept `actual` bytes (its room included): its budget becomes that."""
         self.budgets.record(f.k, actual)
 

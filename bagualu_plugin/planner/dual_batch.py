@@ -27,9 +27,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..costmodel import CostModel, OpId
+from ..costmodel.forward import Forward, Routed
 from ..costmodel.graph import COMM_OPS
 from ..costmodel.mitigation import Footprint, MitigationOptions, footprint
-from ..costmodel.model import Routed
 from ..costmodel.plan import Plan
 
 CLASSES = ("F", "B", "O", "R")
@@ -209,7 +209,7 @@ class ScheduleCache:
     def _load(self, chunk: int, tokens: int, seq_len: int | None) -> list:
         key = (chunk, tokens, seq_len)
         if key not in self._loads:
-            self._loads[key] = self.chunks[chunk].loads(tokens, None, seq_len)
+            self._loads[key] = self.chunks[chunk].loads(Forward(tokens, seq_len))
         return self._loads[key]
 
     @property
@@ -285,7 +285,7 @@ def point_stages(
     models = (cm,) * len(CLASSES) if isinstance(cm, CostModel) else tuple(cm)
     if len(models) != len(CLASSES):
         raise ValueError(f"give one cost model, or one per class {CLASSES}, got {len(models)}")
-    loads = [model.loads(tokens, routed, seq_len) for model in models]
+    loads = [model.loads(Forward(tokens, seq_len, routed)) for model in models]
     plans = [Plan(plan) for plan in (forward, backward, offload, recovery)]
     return [
         [

@@ -37,10 +37,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..costmodel.conflicts import block_conflicts
+from ..costmodel.forward import Forward, Routed
 from ..costmodel.graph import BlockGraph, OpId
 from ..costmodel.linear import Load
 from ..costmodel.mitigation import MITIGATIONS, Footprint, MitigationOptions, footprint
-from ..costmodel.model import CostModel, Routed, holds_arguments
+from ..costmodel.model import CostModel, holds_arguments
 from ..costmodel.plan import Block, Plan
 from ..costmodel.symbolic import Sym, upper
 
@@ -503,7 +504,8 @@ def plan_micro_batch(
     """The plan Algorithm 2 chooses for a micro-batch of `tokens` that may keep `budget` bytes:
     the reference every served plan equals, computed from scratch."""
     steps: list[Step] = []
-    for step, current in greedy_path(cm, cm.loads(tokens, routed, seq_len), strategies, options):
+    forward = Forward(tokens, seq_len, routed)
+    for step, current in greedy_path(cm, cm.loads(forward), strategies, options):
         if step is not None:
             steps.append(step)
         if current.needed_bytes <= budget:
@@ -511,7 +513,7 @@ def plan_micro_batch(
     last, whole = decision(plan_of(steps), current, len(steps)), None
     if "recompute" in strategies:
         plan = Plan(cm.full_recompute())
-        whole = decision(plan, cm.footprint(tokens, routed, seq_len, plan, options), len(steps))
+        whole = decision(plan, cm.footprint(forward, plan, options), len(steps))
         if whole.activation_bytes + whole.room_bytes <= budget:
             return whole
     raise infeasible(budget, tokens, strategies, last, whole)

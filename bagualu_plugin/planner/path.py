@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..costmodel.forward import Forward
 from ..costmodel.linear import Load
 from ..costmodel.mitigation import MITIGATIONS, Footprint, MitigationOptions
 from ..costmodel.model import CostModel
@@ -315,7 +316,7 @@ class PathPlanner:
         if pairs is not None and len(set(pairs)) > 1:
             path = self._routed.get(key)
             if path is None:
-                loads = self.cm.loads(tokens, pairs, seq_len)  # a bad query raises here, before any path is made
+                loads = self.cm.loads(Forward(tokens, seq_len, pairs))  # a bad query raises here, before any path is made
                 self.paths += 1
                 path = self._routed[key] = _Path(self.cm, self.strategies, self.options, loads)
                 while len(self._routed) > ROUTED_PATHS:
@@ -329,7 +330,7 @@ class PathPlanner:
                 self._readings.move_to_end(key)
                 return found
         if pairs is not None and len(pairs) != len(self.cm.moe_layers):
-            self.cm.loads(tokens, pairs, seq_len)  # the error that names the layers
+            self.cm.loads(Forward(tokens, seq_len, pairs))  # the error that names the layers
         shape = self.cm.layer_load(tokens, pairs[0] if pairs else None, seq_len)  # its MoE layers' (a bad query raises here)
         longest, source = 0, None  # the kept path the shape follows furthest
         for path in self._forms:

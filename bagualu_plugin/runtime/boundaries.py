@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from ..adapters import is_inside_backward
-from .forward_kind import ForwardKind, autocast_dtype, forward_kind, varlen_bytes
+from ..costmodel import Forward, ForwardKind
+from .forward_kind import autocast_dtype, forward_kind, varlen_bytes
 from .outputs import UNCOMPILED, compiled, grad_fns
 
 
-class MicroBatches(Protocol):
+class Provisioning(Protocol):
     """What the boundaries need of the adaptive system (the `Provisioner`): its model and device,
     the micro-batches of an optimizer step, and each micro-batch's forward and backward begun,
     ended or abandoned."""
@@ -43,14 +44,14 @@ class MicroBatches(Protocol):
     def running_kind(self) -> ForwardKind | None: ...
     def awaits_backward(self, mb: int | None = None) -> bool: ...
     def rekind(self, kind: ForwardKind) -> None: ...
-    def begin_forward(self, mb: int, tokens: int, seq_len: int, **kw) -> object: ...
+    def begin_forward(self, mb: int, forward: Forward, **kw) -> object: ...
     def end_forward(self, mb: int) -> int: ...
     def end_backward(self, mb: int) -> int: ...
     def abandon(self) -> None: ...
 
 
 class Boundaries:
-    def __init__(self, provisioner: MicroBatches, autocast: str | None = None):
+    def __init__(self, provisioner: Provisioning, autocast: str | None = None):
         """`autocast`: the dtype of the autocast the model's forward enters itself (accelerate's
         wrapper, for the Trainer's bf16=True or fp16=True), which its pre-hooks cannot see; else
         learnt at the first forward's decoder."""
@@ -93,7 +94,8 @@ class Boundaries:
             return
         tokens, seq_len = _shape(model, args, kwargs)
         self._fresh()
-        prov.begin_forward(self.index, tokens, seq_len, kind=self._kind(kwargs), ids=_ids(args, kwargs), varlen_bytes=varlen_bytes(kwargs))
+        forward = Forward(tokens, seq_len, kind=self._kind(kwargs))
+        prov.begin_forward(self.index, forward, ids=_ids(args, kwargs), varlen_bytes=varlen_bytes(kwargs))
         self._began = self.index
 
     def _autocast(self, decoder: nn.Module, args: tuple) -> None:
@@ -159,7 +161,8 @@ class Boundaries:
         prov = self._prov
         self._fresh()
         mb = self.index
-        prov.begin_forward(mb, input_ids.numel(), input_ids.shape[-1], kind=self._kind({"attention_mask": attention_mask}), ids=input_ids)
+        forward = Forward(input_ids.numel(), input_ids.shape[-1], kind=self._kind({"attention_mask": attention_mask}))
+        prov.begin_forward(mb, forward, ids=input_ids)
         forwards = []
 
         def ended(_model, _args, output):

@@ -31,7 +31,7 @@ import torch
 import transformers
 
 from .. import versions
-from ..costmodel import OpId
+from ..costmodel import Forward, OpId
 from ..costmodel.graph import BlockGraph
 from ..costmodel.linear import Load
 from ..costmodel.mitigation import MitigationOptions, charged_form, device_bytes_by_op
@@ -72,11 +72,11 @@ class Calibration:
         self.failed: set[object] = set()  # kinds reported as not converging
 
     def check(
-        self, kind: object, cm: CostModel, measured: Mapping[object, int], tokens: int, routed: Mapping[int, float],
-        seq_len: int, plan: Plan, options: MitigationOptions, ids_view_bytes: int = 0, varlen_bytes: int = 0,
+        self, forward: Forward, cm: CostModel, measured: Mapping[object, int], plan: Plan, options: MitigationOptions,
+        ids_view_bytes: int = 0, varlen_bytes: int = 0,
     ) -> tuple[list[Miss], CostModel]:
-        """The misses of one forward of `kind` (its bytes per op `measured`, its gates' `routed`),
-        and `cm` corrected where it kept more (`cm` itself otherwise). `ids_view_bytes`: what its
+        """The misses of `forward` (its routing as its gates saw it; its bytes per op `measured`),
+        and `cm`, its kind's cost model, corrected where it kept more (`cm` itself otherwise). `ids_view_bytes`: what its
         token ids keep beyond themselves (`Provisioner._ids_view_bytes`); `varlen_bytes`: the
         varlen arguments its layers receive (`runtime.forward_kind.varlen_bytes`), kept where a
         region holds the layer arguments; both the embedding's.
@@ -85,7 +85,8 @@ class Calibration:
         (masks, position ids, the loss's token count) is charged to the embedding whichever block
         saves it first. A total that differs names the ops of the blocks that differ, and an
         excess goes to the op that kept the most beyond its prediction."""
-        predicted, total = self._prediction(cm, tokens, gate_pairs(cm, routed), seq_len, plan, options)
+        kind = forward.kind
+        predicted, total = self._prediction(cm, forward, plan, options)
         held = ids_view_bytes + (varlen_bytes if varlen_bytes and cm.holds_arguments(plan) else 0)
         excess = sum(measured.values()) - total - held
         self._converging(kind, excess)
@@ -117,7 +118,7 @@ class Calibration:
             owners = [op for op in ops if isinstance(op, OpId) and op.layer in cm.blocks]
             if beyond > 0 and owners:
                 op = max(owners, key=lambda op: measured.get(op, 0) - predicted.get(op, 0))
-                corrected = corrected.with_saved(op, beyond / tokens, kept=plan.get(op, "keep") != "keep")  # mitigated, kept anyway
+                corrected = corrected.with_saved(op, beyond / forward.tokens, kept=plan.get(op, "keep") != "keep")  # mitigated, kept anyway
         return misses, corrected
 
     def _kind(self, kind: object) -> str:
@@ -142,15 +143,13 @@ class Calibration:
                 RuntimeWarning, stacklevel=4,
             )
 
-    def _prediction(
-        self, cm: CostModel, tokens: int, pairs: list[float] | None, seq_len: int, plan: Plan, options: MitigationOptions,
-    ) -> tuple[dict[object, int], int]:
-        """`cm`'s bytes per op for that forward, and their sum: remembered (up to 256 forwards'
+    def _prediction(self, cm: CostModel, forward: Forward, plan: Plan, options: MitigationOptions) -> tuple[dict[object, int], int]:
+        """`cm`'s bytes per op for `forward`, and their sum: remembered (up to 256 forwards'
         shapes, routings and plans), as the same ones come back every micro-batch."""
-        key = (id(cm), tokens, None if pairs is None else tuple(pairs), seq_len, plan, options)
+        key = (id(cm), forward, plan, options)
         hit = self._predicted.get(key)
         if hit is None or hit[0] is not cm:  # the entry holds its cost model: no other can take its id
-            by_op = {op: round(n) for op, n in cm.device_bytes_by_op(tokens, pairs, seq_len, plan, options).items()}
+            by_op = {op: round(n) for op, n in cm.device_bytes_by_op(forward, plan, options).items()}
             if len(self._predicted) >= 256:
                 self._predicted.clear()
             hit = self._predicted[key] = (cm, by_op, sum(by_op.values()))
@@ -189,8 +188,8 @@ class Expected:
     only, its bytes are linear in the load (`charged_form`): at this forward's shape, a number and
     a number per routed pair, asked once per block and plan; else priced at each gate's load."""
 
-    def __init__(self, cm: CostModel, tokens: int, seq_len: int, options: MitigationOptions):
-        self.cm, self.tokens, self.seq_len, self.options = cm, tokens, seq_len, options
+    def __init__(self, cm: CostModel, forward: Forward, options: MitigationOptions):
+        self.cm, self.tokens, self.seq_len, self.options = cm, forward.tokens, forward.seq_len, options
         self._layers = iter(sorted(i for i in cm.blocks if i >= 0))
         self._next = next(self._layers, None)
         self.bytes = 0.0

@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
+from ..costmodel import Forward
 from ..costmodel.pipeline import Step, fused_points
 from .dual_batch import DualBatchExecutor, StagePieces
 from .outputs import UNCOMPILED, compiled
@@ -58,7 +59,7 @@ def _plain(model, batches, schedule, provisioner, around) -> list[torch.Tensor]:
         with around(step) if around else nullcontext():
             if step.kind == "F":
                 if provisioner:
-                    provisioner.begin_forward(mb, ids.numel(), ids.shape[-1], phase=step.phase, in_flight=len(awaiting), ids=ids)
+                    provisioner.begin_forward(mb, Forward(ids.numel(), ids.shape[-1]), phase=step.phase, in_flight=len(awaiting), ids=ids)
                 output = model(input_ids=ids, labels=ids)  # one that raises is abandoned (run_iteration)
                 if provisioner:
                     if compiled(output):

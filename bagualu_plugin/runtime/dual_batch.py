@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..adapters import Adapter
+from ..costmodel import Forward
 from ..costmodel.pipeline import stage_layers
 from ..costmodel.plan import Plan
 from ..parallel.expert import Waits, beside
@@ -251,9 +252,9 @@ class DualBatchExecutor:
             raise ValueError(f"forward of micro-batch {mb}: the last pipeline rank needs its labels")
         flight = _Flight(labels, inputs=[value], outputs=[None] * len(self.stage.blocks))
         if self.provisioner:
-            tokens, seq_len = (value.numel(), value.shape[-1]) if self.stage.first else (value.shape[0] * value.shape[1], value.shape[1])
+            shape = (value.numel(), value.shape[-1]) if self.stage.first else (value.shape[0] * value.shape[1], value.shape[1])
             with self.around("F", mb):
-                flight.event = self.provisioner.begin_forward(mb, tokens, seq_len, ids=value if self.stage.first else None, **engine)
+                flight.event = self.provisioner.begin_forward(mb, Forward(*shape), ids=value if self.stage.first else None, **engine)
             flight.plan = self.provisioner.runtime.plan
         self._flights[mb] = flight
 
@@ -310,10 +311,9 @@ class DualBatchExecutor:
             yield
             return
         runtime = self.provisioner.runtime
-        ledger, tracker = runtime.ledger, runtime.tracker
-        before = ledger.micro_batch, tracker.current
-        ledger.micro_batch = mb
+        current = runtime.tracker.current
         try:
-            yield
+            with runtime.micro_batches.charging(mb):
+                yield
         finally:
-            ledger.micro_batch, tracker.current = before
+            runtime.tracker.current = current

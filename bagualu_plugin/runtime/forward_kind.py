@@ -1,49 +1,14 @@
-"""What kind of forward a micro-batch runs, where that changes what it keeps (`ForwardKind`),
-read off the arguments the model is called with; each kind has its own cost model
-(`adapters.costs.model_cost`)."""
+"""What kind of forward a micro-batch runs, where that changes what it keeps
+(`costmodel.ForwardKind`), read off the arguments the model is called with; each kind has its
+own cost model (`adapters.costs.model_cost`)."""
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
 from ..adapters.costs import DTYPES
+from ..costmodel import ForwardKind
 from .ledger import _storage
-
-
-class ForwardKind(NamedTuple):
-    """How a micro-batch's forward runs, where that changes what it keeps: its attention given a
-    mask (SDPA then keeps it, and repeats keys and values under grouped-query attention), its
-    head TRL's fused one (no logits), the token count its loss divides by, the routers'
-    load-balancing loss, the dtype of the autocast it runs under ("bf16" or "fp16": linears,
-    matmuls and attention then compute on copies in it of whatever operands are in another
-    dtype, the weights' included, and keep those), whether it computes its loss (labels given;
-    else the caller's loss runs on its logits after it). Each kind has its own cost model
-    (`adapters.costs.model_cost`)."""
-
-    masked: bool = False
-    fused_head: bool = False
-    loss_divisor_bytes: int = 0
-    router_aux_loss: str = "none"
-    autocast: str | None = None
-    loss: bool = True
-
-    def __str__(self) -> str:
-        """The kind in words, for messages."""
-        aux = {
-            "all_tokens": "the routers' load-balancing loss",
-            "attention_mask": "the routers' load-balancing loss over the attention mask",
-        }
-        parts = [
-            "masked attention" * self.masked,
-            "TRL's fused head" * self.fused_head,
-            f"a loss divisor of {self.loss_divisor_bytes} bytes" if self.loss_divisor_bytes else "",
-            aux.get(self.router_aux_loss, ""),
-            f"{self.autocast} autocast" if self.autocast else "",
-            "" if self.loss else "no labels",
-        ]
-        return ", ".join(part for part in parts if part) or "a plain forward"
 
 
 def autocast_dtype(dtype: torch.dtype) -> str:

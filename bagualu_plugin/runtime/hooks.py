@@ -52,7 +52,6 @@ class SavedTensorHooks:
         self, plan: Plan, ledger: Ledger, current_op: Callable[[], OpId | None], options: MitigationOptions, pool: HostPool
     ):
         self.plan, self.ledger, self.current_op, self.options, self.pool = plan, ledger, current_op, options, pool
-        self._last_offload: dict[int | None, _Offloads] = {}  # per micro-batch: its latest op's host copies
         # live storages offloaded or quantised, and the layers' shared arguments (kept): (form, a
         # weak reference to their Stored, or None, the owner's weak reference). The savers' packs
         # hold the Stored, so a storage that outlives its micro-batch's backward (a cached position
@@ -62,16 +61,15 @@ class SavedTensorHooks:
     def new_forward(self, *_) -> None:
         """The model's forward pre-hook: this micro-batch's offloads start a new chain, so that
         prefetch never reaches into another forward (one abandoned before its backward too)."""
-        self.release(self.ledger.micro_batch)
-
-    def release(self, micro_batch: int | None) -> None:
-        """`micro_batch`'s chain goes: its backward has restored every copy in it."""
-        self._last_offload.pop(micro_batch, None)
+        state = self.ledger.micro_batches.get(self.ledger.micro_batches.running)
+        if state is not None:
+            state.offloads = None
 
     def prefetch(self, micro_batch: int | None, layer: int) -> None:
         """Start bringing back the host copies `layer`'s ops made in `micro_batch`'s latest forward,
         ahead of its backward (`PlanRuntime.recover`); those backward has restored are gone."""
-        group = self._last_offload.get(micro_batch)
+        state = self.ledger.micro_batches.get(micro_batch)
+        group = None if state is None else state.offloads
         while group is not None:
             if group.op is not None and group.op.layer == layer:
                 group.prefetch()
@@ -118,10 +116,10 @@ class SavedTensorHooks:
         the first of a group (backward reached that op) prefetches the group of the op before it,
         so its copies come back while this op's backward runs."""
         copy = HostCopy(flat, self.ledger, self.pool)
-        mb = self.ledger.micro_batch
-        group = self._last_offload.get(mb)
+        state = self.ledger.micro_batches.of(self.ledger.micro_batches.running)
+        group = state.offloads
         if group is None or group.op != op:
-            group = self._last_offload[mb] = _Offloads(op, before=group)
+            group = state.offloads = _Offloads(op, before=group)
         group.copies.append(weakref.ref(copy))
         copy.on_restore = group.prefetch_before
         return copy

@@ -12,6 +12,11 @@ into a record read where every expert-parallel rank can agree on it). On CUDA th
 same, and the caching allocator of the model's device can be read alongside it. There the
 allocator holds the source of an offload until its copy to the host has passed, so that source
 counts on the device while its copy is in flight.
+
+This module is the count only. What is not an activation (parameters, buffers, gathered shards)
+is decided by the Ledger's `StaticStorages` (static_storages.py), and kept activations are moved to
+host memory past ``spill_at`` and back by its `Spill` mover (spill.py): each changes for reasons of
+its own, and the count changes only where the Ledger itself writes it.
 """
 
 from __future__ import annotations
@@ -22,18 +27,20 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from operator import getitem
 from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module
+
+from .micro_batches import MicroBatches
+from .spill import UNPACKED, Spill
+from .static_storages import StaticStorages, StorageKey, _storage
+from .static_storages import model_device as model_device  # importable from here, as before
 
 Residency = Literal["device", "host", "spilled"]
 OnOverrun = Literal["raise", "record"]
 _RESIDENCIES: tuple[Residency, ...] = ("device", "host", "spilled")
-_RECORDED: tuple[Residency, ...] = ("device", "host")  # what a saver keeps; "spilled" is the Ledger's own move
-StorageKey = tuple[torch.device, int]
+_RECORDED: tuple[Residency, ...] = ("device", "host")  # what a saver keeps; "spilled" is the Ledger's own move (`Spill`)
 
 
 class SimulatedOutOfMemoryError(torch.OutOfMemoryError):
@@ -86,7 +93,6 @@ class Record(NamedTuple):
 
 
 _new_record = tuple.__new__  # a Record without the Python frame of its generated __new__ (one per saved storage)
-_UNPACKED = "_bagualu_unpacked"  # set on a pack alias backward has unpacked: it is in use, never spilled
 
 
 @dataclass(slots=True)
@@ -94,86 +100,15 @@ class _Live:
     record: Record
     holders: list = field(default_factory=list)  # weak references to its recorded tensor objects
     packed: bool = False  # every holder is a `Ledger.pack` alias, which `Ledger.unpack` hands to backward
-    spilled: tuple[torch.UntypedStorage, torch.Tensor] | None = None  # its storage, emptied, and the host copy (`Ledger._spill`)
-
-
-def model_device(tensors: Iterable[torch.Tensor]) -> torch.device:
-    """The device a model computes on: that of its first parameter off the CPU (a CUDA tensor's
-    device carries its index), else the CPU. Meta tensors (another pipeline stage's) compute nowhere."""
-    for t in tensors:
-        if t.device.type not in ("cpu", "meta"):
-            return t.device
-    return torch.device("cpu")
-
-
-_storage_of, _pointer, _device_of = torch.Tensor.untyped_storage, torch.UntypedStorage.data_ptr, torch.Tensor.get_device
-
-
-def _storage(tensor: torch.Tensor) -> tuple[StorageKey, int] | None:
-    """(key, nbytes) of the storage behind ``tensor``; None when it holds no real memory.
-
-    Sparse tensors and wrapper subclasses have no storage, meta and fake tensors a storage without
-    memory (its address is 0), empty tensors one of 0 bytes: none of them can occupy activation
-    memory here. (This runs for every saved tensor: no device type string is made.)
-    """
-    try:
-        storage = _storage_of(tensor)
-        pointer, nbytes = storage.data_ptr(), storage.nbytes()
-    except (RuntimeError, NotImplementedError):
-        return None
-    if not pointer or not nbytes:
-        return None
-    return (storage.device, pointer), nbytes
-
-
-def _key(tensor: torch.Tensor | None) -> StorageKey | None:
-    found = None if tensor is None else _storage(tensor)
-    return None if found is None else found[0]
-
-
-class _Slots(NamedTuple):
-    """Where a ledger's exclusions came from, to be read back without walking the model: the
-    (owner dict, name) of every parameter and buffer with a storage, with that storage's pointer
-    and device index (`Tensor.get_device`, -1 on the CPU: an int, no device object made per
-    slot; compared by C-level maps), and the slots with none (meta, empty, sharded DTensor or
-    None: they exclude nothing, as long as they still have none)."""
-
-    owners: tuple[dict, ...]
-    names: tuple[object, ...]
-    pointers: tuple[int, ...]
-    devices: tuple[int, ...]
-    empty: tuple[tuple[dict, object], ...]
-
-    def unchanged(self) -> bool:
-        try:
-            tensors = tuple(map(getitem, self.owners, self.names))
-            if tuple(map(_device_of, tensors)) != self.devices or tuple(map(_pointer, map(_storage_of, tensors))) != self.pointers:
-                return False
-        except Exception:  # a slot gone, now None or without a storage: let the walk see what it is
-            return False
-        return all(_key(owner.get(name)) is None for owner, name in self.empty)
-
-
-_ledgers: weakref.WeakSet[Ledger] = weakref.WeakSet()
-
-
-def _registered(module: nn.Module, _name: str, _value: object) -> None:
-    """torch's global hook on every parameter, buffer and submodule registered (`__setattr__`,
-    `register_*`): the ledgers whose model holds `module` walk it again."""
-    for ledger in tuple(_ledgers):
-        ledger.notice(module)
-
-
-for _register in (_module.register_module_parameter_registration_hook, _module.register_module_buffer_registration_hook,
-                  _module.register_module_module_registration_hook):
-    _register(_registered)
+    spilled: tuple[torch.UntypedStorage, torch.Tensor] | None = None  # its storage, emptied, and the host copy: the mover's (`Spill`)
 
 
 class Ledger:
     """Counts the unique live storages saved for backward, per op and per micro-batch.
 
-    ``micro_batch`` is set by the caller (the engine or Provisioner); every new record is
-    attributed to it and to whatever ``current_op()`` returns (an op id, hashable).
+    ``micro_batches``: the runtime's per-micro-batch state (`MicroBatches`, a new one if not
+    given); every new record is attributed to its ``running`` micro-batch, which the caller sets
+    (the engine or Provisioner), and to whatever ``current_op()`` returns (an op id, hashable).
     ``source(tensor)`` names the op that made a newly saved storage (the profiler's provenance).
 
     ``on_overrun``: what going over the simulated capacity does. "raise" (the default) raises
@@ -186,12 +121,12 @@ class Ledger:
 
     ``spill_at``: device bytes, ``static_bytes`` included, that no new device record may take the
     count past while activations kept earlier can make room: they move to host memory first
-    (`_spill`), the last resort of a plan made for less than its forward keeps. None (the
+    (`Spill.spill`), the last resort of a plan made for less than its forward keeps. None (the
     default): nothing moves, and only the capacity is enforced.
 
     ``device``: the compute device (saved CPU tensors count as host memory under a CUDA one, the
     allocator is read there); by default the device of the excluded parameters, looked up again
-    by `refresh` (a model moved with `.cuda()` after the ledger was made).
+    by `refresh` (a model moved with `.cuda()` after the ledger was made): its `StaticStorages`'.
 
     Weakref callbacks run whenever the garbage collector or another thread drops a saved tensor, possibly
     in the middle of a ``record``. They therefore only append to a queue; every public method
@@ -203,27 +138,21 @@ class Ledger:
                  exclude: Iterable[torch.Tensor] = (), current_op: Callable[[], object] = lambda: None,
                  source: Callable[[torch.Tensor], object] | None = None,
                  device: torch.device | str | None = None, on_overrun: OnOverrun = "raise",
-                 model: nn.Module | None = None):
+                 model: nn.Module | None = None, micro_batches: MicroBatches | None = None):
         self.capacity_bytes = capacity_bytes
         self.spill_at: int | None = None
-        self.spilled_bytes = 0  # moved to host by `_spill`, over the ledger's life
         self.on_overrun = on_overrun
         self.overrun: SimulatedOutOfMemoryError | None = None
         self.static_bytes = static_bytes
         self.current_op = current_op
         self.source = source
-        self.micro_batch: int | None = None
-        self._exclude = dict(enumerate(exclude))  # slots, as a module's parameters are
-        self._model = model  # its parameters and buffers are looked up again at every refresh
-        self._gathered: dict[nn.Module, frozenset[StorageKey]] = {}  # FSDP2 modules' unsharded parameters
-        self._watched: set[nn.Module] = set()
-        self._device = None if device is None else torch.device(device)
-        self._tree: frozenset[nn.Module] = frozenset()  # the model's modules at the last walk
-        self._stale = True
-        _ledgers.add(self)
-        self.refresh()
+        self.micro_batches = MicroBatches() if micro_batches is None else micro_batches
+        self._static = StaticStorages(exclude=exclude, model=model, device=device)
+        # bound once, not delegated: `is_static` runs at every save, `excludes` at every save the profiler sees
+        self.is_static, self.excludes = self._static.is_static, self._static.excludes
+        self._mover = Spill()
+        self._spilled = self._mover.entries  # the mover's, a live view: one C-level test per unpack, read as records
         self._live: dict[StorageKey, _Live] = {}
-        self._spilled: dict[int, _Live] = {}  # by the emptied storage's identity (`UntypedStorage._cdata`)
         self._in_flight: deque[tuple[int, object]] = deque()  # (bytes, event) of copies out, oldest first
         self._in_flight_bytes = 0
         self._bytes = dict.fromkeys(_RESIDENCIES, 0)
@@ -242,108 +171,30 @@ class Ledger:
     @property
     def modules(self) -> frozenset[nn.Module]:
         """The model's modules at the last walk (`refresh`): a new set only when they changed."""
-        return self._tree
+        return self._static.modules
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device (the class docstring's ``device``), as its static storages last found it."""
+        return self._static.device
+
+    @property
+    def spilled_bytes(self) -> int:
+        """Moved to host by the mover (`spill_at`), over the ledger's life."""
+        return self._mover.spilled_bytes
 
     def refresh(self) -> None:
-        """Walk the model again: its parameters get new storages (and maybe a device) when it moves
-        after the ledger was made (`.cuda()`, `.to(dtype)`, DDP's `prepare`), or new objects
-        (FSDP2's `fully_shard` replaces them with sharded ones). An FSDP2 module's whole parameters
-        exist from its forward pre-hook, which gathers them, until its forward ends: they are
-        excluded for that time (`_watch_engines`), as are ZeRO-3's. `refresh_if_changed` calls it
-        when needed."""
-        self._stale = False  # first: a registration during the walk makes the next check walk again
-        modules = () if self._model is None else tuple(self._model.modules())
-        self._tree = frozenset(modules)
-        slots = [(m._parameters, name) for m in modules for name in m._parameters]
-        slots += [(m._buffers, name) for m in modules for name in m._buffers]
-        slots += [(self._exclude, i) for i in range(len(self._exclude))]
-        keyed, empty = [], []
-        for owner, name in slots:
-            if hasattr(owner[name], "ds_id"):  # ZeRO-3's: gathered into and freed from storages of its own,
-                continue  # excluded only while gathered (`_watch_engines`); one kept now could be an activation's later
-            key = _key(owner[name])
-            if key is None:
-                empty.append((owner, name))
-            else:
-                keyed.append((owner, name, key))
-        owners, names, keys = zip(*keyed) if keyed else ((), (), ())
-        devices = tuple(map(_device_of, map(getitem, owners, names)))
-        self._slots = _Slots(owners, names, tuple(p for _, p in keys), devices, tuple(empty))
-        self._excluded = frozenset(keys)
-        static = [tensor for owner, name in slots if (tensor := owner[name]) is not None]
-        self.device = self._device if self._device is not None else model_device(static)
-        self._host_apart = self.device.type != "cpu"  # saved CPU tensors are host memory
-        self._watch_engines(modules)
-
-    def notice(self, module: nn.Module) -> None:
-        """A parameter, buffer or submodule was registered on `module`: walk the model again at the
-        next check if it holds `module`."""
-        if module in self._tree:
-            self._stale = True
-
-    def _watch(self, module: nn.Module) -> None:
-        """`_gathered[module]`: the storages of `module`'s parameters from its forward pre-hook to
-        the end of its forward. The hooks hold the ledger weakly and remove themselves once it is
-        gone, so a model outlives the ledgers made for it without keeping them or their hooks."""
-        ref, handles = weakref.ref(self), []
-
-        def hook(gathered: bool):
-            def run(m: nn.Module, *_) -> None:
-                ledger = ref()
-                if ledger is None:
-                    for handle in handles:
-                        handle.remove()
-                else:
-                    ledger._gather(m, gathered)
-
-            return run
-
-        # always called: a recompute that stops early (once it has what backward needs) leaves the
-        # module's forward by an exception, and its storages, freed by the engine, must not stay excluded
-        handles += [module.register_forward_pre_hook(hook(True)), module.register_forward_hook(hook(False), always_call=True)]
-
-    def _gather(self, module: nn.Module, gathered: bool) -> None:
-        if gathered:
-            self._gathered[module] = frozenset(found[0] for p in module.parameters() if (found := _storage(p)) is not None)
-        else:
-            self._gathered.pop(module, None)
+        """Walk the model again (`StaticStorages.refresh`): its parameters and buffers, whatever
+        moved, wrapped or replaced them since, are static memory, and its device the ledger's."""
+        self._static.refresh()
 
     def refresh_if_changed(self) -> bool:
-        """`refresh()` if a parameter or buffer may have changed since the last walk; whether it
-        walked. Every change to the model's static storages is one of: a parameter, buffer or
-        module registered on one of its modules (assignment, `register_*`, PEFT injecting
-        adapters, `load_state_dict(assign=True)`), which torch's global registration hooks report
-        (`_registered`); or a value replaced under an existing name or a storage swapped in place,
-        which bypass those hooks (`nn.Module._apply` behind `.to()` / `.cuda()` swaps `param.data`
-        or, under `torch.__future__`'s overwrite or swap flags, the parameter, and always writes
-        buffers straight into `_buffers`; FSDP2 and accelerate write `_parameters` directly), which
-        re-reading the storage pointer and device of every remembered slot reveals (`_Slots`: no
-        module walk, C-level maps). Equal pointers and devices in every slot are equal storage
-        keys, so the exclusions and the device are what a walk would find. Only writing a new
-        name straight into a module's `_parameters` / `_buffers` dict goes unseen: call `refresh`
-        after that."""
-        if self._stale or not self._slots.unchanged():
+        """`refresh()` if a parameter or buffer may have changed since the last walk
+        (`StaticStorages.changed`); whether it walked."""
+        if self._static.changed():
             self.refresh()
             return True
         return False
-
-    def _watch_engines(self, modules: Iterable[nn.Module]) -> None:
-        """Hooks after a sharding engine's own, registered once on every module it gathers the
-        parameters of in a forward pre-hook: FSDP2's `fully_shard` modules, and the modules
-        holding DeepSpeed ZeRO-3 parameters (marked `ds_id`), whose `param.data` its pre-hooks
-        replace with the gathered whole. Their storages are excluded while gathered (the engine's
-        hook, registered first, has gathered them), also when a recompute runs the module again in
-        backward. Both engines replace the parameters' storages, so `refresh_if_changed` walks after."""
-        try:
-            from torch.distributed.fsdp import FSDPModule
-        except ImportError:  # a torch without FSDP2
-            FSDPModule = ()  # noqa: N806
-        for module in modules:
-            if module in self._watched:
-                continue
-            if isinstance(module, FSDPModule) or any(hasattr(p, "ds_id") for p in module.parameters(recurse=False)):
-                self._watched.add(module)
-                self._watch(module)
 
     # ------------------------------------------------------------------ recording
 
@@ -377,14 +228,14 @@ class Ledger:
         if found is _UNKNOWN:
             found = _storage(alias)
         if found is not None:
-            self._record(alias, found[0], found[1], "host" if self._host_apart and alias.is_cpu else "device", packed=True)
+            self._record(alias, found[0], found[1], "host" if self._static.host_apart and alias.is_cpu else "device", packed=True)
         return alias, alias._version
 
     def unpack(self, packed: tuple[torch.Tensor, int]) -> torch.Tensor:
         alias, version = packed
         # backward computes with it now: the graph is no longer its only user
         if self.spill_at is not None and not isinstance(alias, nn.Parameter):
-            setattr(alias, _UNPACKED, True)
+            setattr(alias, UNPACKED, True)  # the mover's mark, set here: no call more per unpack
             if self._spilled:
                 self._restore(alias)
         if alias._version != version:
@@ -394,18 +245,6 @@ class Ledger:
                 f"at version {version} and is now at version {alias._version}"
             )
         return alias
-
-    def excludes(self, tensor: torch.Tensor) -> bool:
-        """True for the storage of a parameter or buffer (static memory, never counted here)."""
-        found = _storage(tensor)
-        return found is not None and self.is_static(found[0])
-
-    def is_static(self, key: StorageKey) -> bool:
-        """`excludes`, for a storage key the caller has."""
-        if key in self._excluded:
-            return True
-        # called on every save: no generator made where no sharding engine gathers anything
-        return bool(self._gathered) and any(key in keys for keys in self._gathered.values())
 
     def charge(self, tensor: torch.Tensor, op: object) -> None:
         """Charge `tensor`'s storage to `op` when it is first recorded, whichever op saves it then:
@@ -450,7 +289,7 @@ class Ledger:
         charged = self._charges.get(key) if self._charges else None
         op = self.current_op() if charged is None else charged[0]
         source = None if self.source is None else self.source(tensor)
-        micro_batch = self.micro_batch
+        micro_batch = self.micro_batches.running
         with self._lock:
             if self._released or self._in_flight:
                 self._apply_releases()
@@ -478,7 +317,7 @@ class Ledger:
         its graph still keeps, while someone holds it, stays counted, as no micro-batch's, so that
         the next micro-batch of that index is measured from nothing."""
         with self._locked():
-            for entry in (*self._live.values(), *self._spilled.values()):
+            for entry in (*self._live.values(), *self._spilled):
                 record = entry.record
                 if record.micro_batch == micro_batch:
                     entry.record = record._replace(micro_batch=None)
@@ -583,7 +422,7 @@ class Ledger:
         """Live records, in the order their storages were first recorded (those on the device or
         the savers' host copies), then those spilled (`spill_at`)."""
         with self._locked():
-            return [entry.record for entry in (*self._live.values(), *self._spilled.values())]
+            return [entry.record for entry in (*self._live.values(), *self._spilled)]
 
     def allocated_bytes(self) -> int:
         """Bytes held by the CUDA caching allocator on this device (everything, not activations)."""
@@ -608,8 +447,8 @@ class Ledger:
             entry.holders.remove(ref)
             if not entry.holders:
                 record = entry.record
-                if entry.spilled is not None:
-                    del self._spilled[entry.spilled[0]._cdata]
+                if record.residency == "spilled":
+                    self._mover.forget(entry)
                 else:  # evict, so that a new storage at the same address is a new record
                     evicted = self._live.pop(record.key)
                     assert evicted is entry, record
@@ -634,7 +473,13 @@ class Ledger:
     def _check_capacity(self, nbytes: int, op: object, micro_batch: int | None) -> None:
         live = self._bytes["device"] + self._in_flight_bytes
         if self.spill_at is not None and self.static_bytes + live + nbytes > self.spill_at:
-            self._spill(self.static_bytes + live + nbytes - self.spill_at)
+            # what only pack aliases hold (`unpack` brings it back), on the device, earliest saved first
+            kept = (entry for entry in list(self._live.values()) if entry.packed and entry.record.residency == "device")
+            for entry in self._mover.spill(kept, self.static_bytes + live + nbytes - self.spill_at):
+                record = entry.record
+                del self._live[record.key]
+                entry.record = record._replace(residency="spilled")
+                self._move(entry, record.nbytes, "device", "spilled")
             live = self._bytes["device"] + self._in_flight_bytes
         if self.capacity_bytes is not None and self.static_bytes + live + nbytes > self.capacity_bytes:
             fields = dict(
@@ -648,60 +493,21 @@ class Ledger:
             if self.overrun is None:  # "record": the first one, the save that would have failed
                 self.overrun = SimulatedOutOfMemoryError(**fields)
 
-    def _spill(self, needed: int) -> None:
-        """Free `needed` device bytes, or as many as can be: move kept activations to host memory,
-        earliest saved first (backward needs them last), each one that only the graph's saved
-        aliases hold (anything else holding it, the forward's own tensor, would keep the device
-        memory too). The storage itself is emptied, so every saver's alias follows it; `unpack`
-        fills it again (`_restore`). Bitwise: a copy out and back. Runs under the lock."""
-        for key, entry in list(self._live.items()):
-            if needed <= 0:
-                return
-            record = entry.record
-            storage = self._sole(entry) if entry.packed and record.residency == "device" else None
-            if storage is None:
-                continue
-            host = torch.empty(record.nbytes, dtype=torch.uint8, pin_memory=storage.is_cuda)
-            host.untyped_storage().copy_(storage)  # synchronous: the storage is freed next
-            storage.resize_(0)
-            del self._live[key]
-            entry.record, entry.spilled = record._replace(residency="spilled"), (storage, host)
-            self._spilled[storage._cdata] = entry
-            self._move(entry, record.nbytes, "device", "spilled")
-            self.spilled_bytes += record.nbytes
-            needed -= record.nbytes
-
-    @staticmethod
-    def _sole(entry: _Live) -> torch.UntypedStorage | None:
-        """The entry's storage, if its live holders are the only tensors on it, none of them in use
-        by backward (unpacked), and it can be emptied; else None."""
-        tensors = [t for ref in entry.holders if (t := ref()) is not None]
-        if not tensors or any(hasattr(t, _UNPACKED) for t in tensors):
-            return None
-        storage = tensors[0].untyped_storage()
-        # one reference per tensor object on the storage, and ours, `storage`
-        if not storage.resizable() or torch._C._storage_Use_Count(storage._cdata) != len(tensors) + 1:
-            return None
-        return storage
-
     def _restore(self, alias: torch.Tensor) -> None:
-        """Backward unpacks `alias`: if `_spill` moved its storage to the host, it comes back (the
+        """Backward unpacks `alias`: if the mover moved its storage to the host, it comes back (the
         capacity checked first, as for any device record: others may spill to make room)."""
         storage = alias.untyped_storage()
         with self._locked():
-            entry = self._spilled.get(storage._cdata)
+            entry = self._mover.entry_of(storage)
             if entry is None:
                 return
             record = entry.record
             self._check_capacity(record.nbytes, record.op, record.micro_batch)
-            host = entry.spilled[1]
-            storage.resize_(record.nbytes)
-            storage.copy_(host.untyped_storage())
-            del self._spilled[storage._cdata]
+            self._mover.restore(entry)
             if self._released:  # a storage that died before the new memory took its address
                 self._apply_releases()
             key = (storage.device, storage.data_ptr())
-            entry.record, entry.spilled = record._replace(key=key, residency="device"), None
+            entry.record = record._replace(key=key, residency="device")
             self._live[key] = entry
             self._move(entry, record.nbytes, "spilled", "device")
             self._peak = max(self._peak, self._bytes["device"] + self._in_flight_bytes)
@@ -716,7 +522,7 @@ class Ledger:
             raise ValueError(f"residency must be one of {_RESIDENCIES}, got {residency!r}")
         out: dict = {}
         with self._locked():
-            for entry in (self._spilled if residency == "spilled" else self._live).values():  # in place: this runs after every forward
+            for entry in (self._spilled if residency == "spilled" else self._live.values()):  # in place: this runs after every forward
                 record = entry.record
                 if record.residency == residency and (only is None or only(record)):
                     group = by(record)

@@ -74,7 +74,7 @@ class PlanRuntime:
         # every layer's, keep coming new over a long run with spikes
         self.block_regions = cache(self._regions_of)
         self._ops = frozenset(self.adapter.ops())
-        self._frames: dict[int | None, dict[int, list[weakref.ref]]] = {}  # micro-batch: layer: its live regions
+        self.micro_batches = self.ledger.micro_batches  # each one's regions, among its state
         self._stack: ExitStack | None = None
         self._forwarding: str | None = None  # inside forward(), only where the plan applies: "stored" or "counted"
         self._arguments_op: OpId | None = None  # the op running before this forward's first decoder layer
@@ -282,7 +282,7 @@ class PlanRuntime:
             frame = stack.enter_context(region(module, forward, self.adapter.config, args, kwargs, saves, self._holding()))
         finally:
             self.tracker.current = current
-        frames = self._frames.setdefault(self.ledger.micro_batch, {})  # weakly: a frame dies with its graph
+        frames = self.micro_batches.of(self.micro_batches.running).regions  # weakly: a frame dies with its graph
         frames[layer] = [*(ref for ref in frames.get(layer, ()) if ref() is not None), weakref.ref(frame)]
         return stack
 
@@ -295,7 +295,8 @@ class PlanRuntime:
         self.hooks.prefetch(micro_batch, layer)
         current = self.tracker.current  # a replay runs the op scopes: an interleaved forward goes on in its own op
         try:
-            for ref in reversed(self._frames.get(micro_batch, {}).pop(layer, [])):  # in backward order
+            state = self.micro_batches.get(micro_batch)
+            for ref in reversed(state.regions.pop(layer, []) if state is not None else []):  # in backward order
                 frame = ref()
                 if frame is not None:
                     frame.recompute_now()
@@ -304,10 +305,8 @@ class PlanRuntime:
 
     def release(self, micro_batch: int | None) -> None:
         """`micro_batch`'s backward has run: what `recover` would use for it (its regions' frames,
-        its host copies' chain, all dead now) goes now, not at its next forward, so that what the
-        runtime holds between iterations does not depend on the plans that ran."""
-        self._frames.pop(micro_batch, None)
-        self.hooks.release(micro_batch)
+        its host copies' chain, all dead now) goes with its state (`MicroBatches.release`)."""
+        self.micro_batches.release(micro_batch)
 
     def _holding(self):
         """While the plan's hooks are in force, a region's inputs stay on the device as they are,

@@ -33,20 +33,20 @@ from torch import nn
 from ..adapters import Adapter
 from ..adapters.costs import DTYPES, model_cost
 from ..adapters.gate import GateMonitor
-from ..config import Batch, Recipe
-from ..costmodel import CostModel
+from ..config import Batch, Budget, Recipe
+from ..costmodel import CostModel, Forward, ForwardKind
 from ..costmodel.graph import COLLECTIVE_OPS, OpId
 from ..derive import derive_recipe
 from ..parallel.expert import any_rank, expert_group
 from ..parallel.lockstep import lockstep_group, recomputed_anywhere
-from ..planner.decider import Decider, Foresight, Forward
+from ..planner.decider import Decider, Decisions
 from ..planner.gate import GatePlan, escalated_block
 from ..stage import Stage, mitigation_options
 from ..units import fmt_bytes
 from .boundaries import Boundaries
 from .calibration import Calibration, Expected, gate_pairs
-from .forward_kind import ForwardKind
 from .ledger import Ledger, SimulatedOutOfMemoryError, _storage
+from .micro_batches import MicroBatches
 from .plan_runtime import PlanRuntime
 from .static_memory import StaticMemory
 from .telemetry import Event, EventLog
@@ -58,14 +58,14 @@ _COLLECTIVE = frozenset(COLLECTIVE_OPS)
 
 
 @dataclass
-class _Forward:
+class _Running:
     """The micro-batch whose forward is running: made by `begin_forward`, closed by `end_forward`
     (as nanotron keeps one batch's buffers in its `PipelineTrainBatchState`)."""
 
     event: Event
-    decided: Forward  # its budget, plan and gates (`planner.decider`)
+    decided: Decisions  # its budget, plan and gates (`planner.decider`)
     hooks: ExitStack  # the plan's hooks entered and the gate monitor on, until the forward ends
-    kind: ForwardKind
+    forward: Forward  # what it is: its shape and kind (its routing known at its gates)
     expected: Expected  # what its blocks should keep, as its gates come
     spilled_before: int  # the Ledger's `spilled_bytes` as it began: what its forward moves is the difference
     beyond: float = 0.0  # what its layers before the latest gate kept beyond that, taken from its slack
@@ -116,6 +116,21 @@ class _RecomputeOwner:
             )
 
 
+def _simulated_capacity(recipe: Recipe) -> int | None:
+    """The device capacity the Ledger enforces where the recipe's hardware is simulated (on CPU): the
+    capacity less the reserve, as a GPU's allocator would run out there; None on a real device."""
+    hardware = recipe.hardware
+    return hardware.capacity_bytes - recipe.budget.reserve_bytes if hardware.simulated else None
+
+
+def _measures_static(budget: Budget) -> bool:
+    """Whether the static bytes are measured on the live model: `non_activation_bytes: auto` and no
+    sharding engine (its shards are not the parameters' storages; ZeRO at any stage has reduce
+    buckets, so its optimizer partitions are priced by formula at stage 1 too)."""
+    engine = budget.fsdp or budget.shard_gradients or budget.offload_optimizer or budget.engine_buffer_bytes
+    return budget.non_activation_bytes == "auto" and not engine
+
+
 class Provisioner:
     def __init__(self, model: nn.Module, recipe: Recipe, cost: CostModel | None = None, kind: ForwardKind = ForwardKind()):
         """`model` is this pipeline rank's stage; `cost` its cost model (default: the analytic one
@@ -123,6 +138,42 @@ class Provisioner:
         TRL's fused head, has the floor checked for those, not for a plain forward it never
         runs). With `pipeline.pp` 1 the micro-batches' boundaries are found on the model
         (`runtime.boundaries`): no engine needs to call begin_forward and the rest."""
+        adapter = self._check(model, recipe, cost, kind)
+        self.runtime = PlanRuntime(model, options=mitigation_options(recipe), capacity_bytes=_simulated_capacity(recipe))
+        self.static = StaticMemory(adapter.model, self.ledger) if _measures_static(recipe.budget) else None
+        # the cost model of each kind of forward (`costmodel.ForwardKind`: attention with a mask, TRL's fused
+        # head), the decider's, built when the first micro-batch of that kind comes (`_add`); a given one has no twins
+        first = cost or model_cost(model, recipe.hardware, kind)
+        self._given_cost = cost is not None
+        static = None if self.static is None else self.static.measure()
+        self.decider = Decider(Stage.of(recipe, first, split=False, static_bytes=static), {kind: first}, on_plan=self._prepare)
+        self.ledger.static_bytes = self.stage.static_bytes
+        # the last resort, whatever the strategies a plan may use: a save past the capacity moves kept
+        # activations to the host first, rather than end the job
+        self.ledger.spill_at = self.stage.capacity
+        weight = adapter.weight
+        self.calibration = Calibration(adapter.family.model_type, f"{DTYPES[weight.dtype]} weights on {weight.device.type}")
+        # the schedule's phase of each forward: 1F1B's steady phase starts one forward before
+        # Algorithm 1's does (that forward also runs before any backward, so it is budgeted as warmup)
+        self.phases = {s.micro_batch: s.phase for s in self.stage.schedule if s.kind == "F"}
+        self.executor = None  # the fused executor engines run this stage through (`runtime.dual_batch`), made on first use
+        self._groups = {part.index: expert_group(part.experts) for part in adapter.layers if part.moe}  # None: one process
+        self._lockstep, self._ops = lockstep_group(recipe), first.ops()  # the ranks that recompute the same ops, and those ops
+        self.log = EventLog(recipe)  # the latest micro-batches' events, the telemetry file, the figures
+        self.events = self.log.events
+        self.forwards, self.planner_s = 0, 0.0  # running totals over all of them
+        self._running: _Running | None = None
+        # per kind, the largest (tokens, seq_len) whose M0 was checked: none holds another, so a stream of new
+        # shapes keeps a few, whatever its length
+        self._checked: dict[ForwardKind, list[tuple[int, int]]] = {}
+        self._peak = 0  # peak_device_bytes before the static bytes last changed
+        self._spill_named = False
+        self._install(adapter, kind)
+
+    def _check(self, model: nn.Module, recipe: Recipe, cost: CostModel | None, kind: ForwardKind) -> Adapter:
+        """The model's adapter, once what `bgl.apply` refuses is ruled out: a given cost model for
+        another kind than plain forwards, a Provisioner installed already, another recompute
+        than ours, an expert group that is not the recipe's."""
         if cost is not None and kind != ForwardKind():
             raise ValueError(f"Provisioner: a given cost model describes plain forwards; kind {kind} needs the analytic one (cost=None)")
         adapter = Adapter(model)
@@ -131,54 +182,17 @@ class Provisioner:
         self._owner = _RecomputeOwner(adapter.model)
         self._owner.check(frozenset(adapter.model.modules()))
         _check_expert_group(adapter, recipe)
-        self.runtime = PlanRuntime(
-            model,
-            options=mitigation_options(recipe),
-            capacity_bytes=recipe.hardware.capacity_bytes - recipe.budget.reserve_bytes if recipe.hardware.simulated else None,
-        )
-        budget = recipe.budget
-        # else the recipe's number, or a sharding engine's formula (its shards are not the parameters' storages;
-        # ZeRO at any stage has reduce buckets, so its optimizer partitions are priced at stage 1 too)
-        engine = budget.fsdp or budget.shard_gradients or budget.offload_optimizer or budget.engine_buffer_bytes
-        measured = budget.non_activation_bytes == "auto" and not engine
-        self.static = StaticMemory(adapter.model, self.ledger) if measured else None
-        # the cost model of each kind of forward (`runtime.forward_kind.ForwardKind`: attention with a
-        # mask, TRL's fused head), the decider's, built when the first micro-batch of that kind
-        # comes (`_add`); a given cost model has no twins
-        first = cost or model_cost(model, recipe.hardware, **kind._asdict())
-        self._given_cost = cost is not None
-        weight = next(adapter.model.parameters())
-        self.calibration = Calibration(adapter.family.model_type, f"{DTYPES[weight.dtype]} weights on {weight.device.type}")
-        static = self.static.measure() if measured else None
-        self.decider = Decider(Stage.of(recipe, first, split=False, static_bytes=static), {kind: first}, on_plan=self._prepare)
-        stage = self.stage
-        self.ledger.static_bytes = stage.static_bytes
-        # the last resort, whatever the strategies a plan may use: a save past the capacity moves kept
-        # activations to the host first, rather than end the job
-        self.ledger.spill_at = stage.capacity
-        self._spill_named = False
-        # the schedule's phase of each forward: 1F1B's steady phase starts one forward before
-        # Algorithm 1's does (that forward also runs before any backward, so it is budgeted as warmup)
-        self.phases = {s.micro_batch: s.phase for s in stage.schedule if s.kind == "F"}
-        self.executor = None  # the fused executor engines run this stage through (`runtime.dual_batch`), made on first use
+        return adapter
+
+    def _install(self, adapter: Adapter, kind: ForwardKind) -> None:
+        """The plan's hooks, the gate monitor (on while a forward runs), the op tracker's listener,
+        the boundaries where no engine calls `begin_forward` (pp 1), the static bytes' watch."""
         self.runtime.install()
-        self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate, per_expert=False).install()  # on while a forward runs
+        self.gate = GateMonitor(self.runtime.adapter, on_gate=self._on_gate, per_expert=False).install()
         self.gate.active = False
         self.runtime.tracker.listeners.append(self._entered)
-        self._groups = {part.index: expert_group(part.experts) for part in adapter.layers if part.moe}  # None: one process
-        self._lockstep, self._ops = lockstep_group(recipe), first.ops()  # the ranks that recompute the same ops, and those ops
-        self.log = EventLog(recipe)  # the latest micro-batches' events, the telemetry file, the figures
-        self.events = self.log.events
-        self.forwards, self.planner_s = 0, 0.0  # running totals over all of them
-        self._awaiting_backward: dict[int, Event] = {}
-        self._forward: _Forward | None = None
-        self._foreseen: dict[int, tuple[tuple[int, int, ForwardKind], Foresight]] = {}  # by micro-batch (`foresee`)
-        # per kind, the largest (tokens, seq_len) whose M0 was checked: none holds another, so a stream of new
-        # shapes keeps a few, whatever its length
-        self._checked: dict[ForwardKind, list[tuple[int, int]]] = {}
-        self._peak = 0  # peak_device_bytes before the static bytes last changed
         setattr(adapter.model, INSTALLED_ATTR, self)
-        self.boundaries = Boundaries(self, kind.autocast) if recipe.pipeline.pp == 1 else None
+        self.boundaries = Boundaries(self, kind.autocast) if self.recipe.pipeline.pp == 1 else None
         if self.static is not None:
             self.static.watch(self._rebase)
 
@@ -209,7 +223,7 @@ class Provisioner:
     def _add(self, kind: ForwardKind) -> None:
         """Plan micro-batches of `kind` on their own cost model (the decider's from now on)."""
         if not self._given_cost:
-            cost = model_cost(self.runtime.adapter.model, self.recipe.hardware, **kind._asdict())
+            cost = model_cost(self.runtime.adapter.model, self.recipe.hardware, kind)
         else:  # a given cost model: plan the micro-batch as if its forward were plain
             warnings.warn(
                 f"a micro-batch's forward runs as {kind} (a masked attention, TRL's fused head, a counted or auxiliary "
@@ -236,25 +250,26 @@ class Provisioner:
                 f"the weights, gradients and optimizer state now take {static} bytes on the device (were {before}): {error}"
             ) from None
 
-    def _grow(self, mb: int, tokens: int, seq_len: int, kind: ForwardKind) -> None:
+    def _grow(self, mb: int, forward: Forward) -> None:
         """A micro-batch larger than any of its kind before (or of a kind none was): M0 at its
         shape and kind, checked to fit; the stage keeps the larger M0. Each kind is checked at its
         own shapes: a padded micro-batch as long as the plain ones keeps more than they do."""
+        tokens, seq_len, kind = forward.tokens, forward.seq_len, forward.kind
         if kind not in self.decider.costs:
             self._add(kind)
         checked = self._checked.setdefault(kind, [])
         if any(tokens <= t and seq_len <= s for t, s in checked):
             return
-        self._floor(mb, tokens, seq_len, kind)
+        self._floor(mb, forward)
         checked[:] = [(t, s) for t, s in checked if not (t <= tokens and s <= seq_len)] + [(tokens, seq_len)]
 
-    def _floor(self, mb: int, tokens: int, seq_len: int, kind: ForwardKind) -> None:
+    def _floor(self, mb: int, forward: Forward) -> None:
         """M0 at micro-batch `mb`'s shape and kind, checked to fit; the stage keeps the larger M0."""
-        stage = self.stage
+        stage, tokens, seq_len = self.stage, forward.tokens, forward.seq_len
         batch = Batch(seq_len=seq_len, micro_batch_size=-(-tokens // seq_len))
         try:
             recipe = stage.recipe.model_copy(update={"batch": batch})
-            grown = Stage.of(recipe, self.decider.costs[kind], split=False, static_bytes=stage.static_bytes)
+            grown = Stage.of(recipe, self.decider.costs[forward.kind], split=False, static_bytes=stage.static_bytes)
             if grown.min_budget > stage.min_budget:
                 self._set_stage(replace(grown, cost=stage.cost, chunks=stage.chunks))
         except ValueError as error:
@@ -267,6 +282,11 @@ class Provisioner:
         return self.runtime.ledger
 
     @property
+    def micro_batches(self) -> MicroBatches:
+        """Each micro-batch's state, and the one running (`runtime.micro_batches`)."""
+        return self.runtime.micro_batches
+
+    @property
     def peak_device_bytes(self) -> int:
         """The most device memory the stage has used since it was built: static bytes and the
         Ledger's activations together (on CPU, the simulated device's)."""
@@ -274,103 +294,124 @@ class Provisioner:
 
     @torch.compiler.disable  # host-side decisions on numpy arrays (`planner.path`): never traced into a compiled graph
     def begin_forward(
-        self, mb: int, tokens: int, seq_len: int, *, kind: ForwardKind = ForwardKind(), phase: str | None = None,
-        in_flight: int | None = None, ids: torch.Tensor | None = None, varlen_bytes: int = 0,
+        self, mb: int, forward: Forward, *, phase: str | None = None, in_flight: int | None = None,
+        ids: torch.Tensor | None = None, varlen_bytes: int = 0,
     ) -> Event:
-        """Budget and plan micro-batch `mb` of `tokens` tokens, its forward of `kind`, for the normal
-        routing band; its saved tensors go through the plan until `end_forward`. An engine that knows the schedule
-        passes `phase` ("warmup" or "steady") and `in_flight` (micro-batches awaiting backward,
-        nanotron's `len(state.microbatches_activations_requiring_backward)`): they are checked
-        against Algorithm 1's state, whose budgets are wrong if the two disagree. `ids`: the
-        token ids the model is given, when the caller has them: a view of a larger tensor (a
-        micro-batch sliced from a batch) keeps all of it through the embedding's saved ids, which
-        the plan makes room for (`_ids_view_bytes`). `varlen_bytes`: the storages of the varlen
-        arguments the model is given (`runtime.forward_kind.varlen_bytes`: TRL's padding-free
-        packing), which a region holding the layer arguments keeps: made room for too. Returns
-        the micro-batch's event, which its forward and backward complete."""
-        if self._forward is not None:
-            raise ValueError(f"begin_forward({mb}): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
+        """Budget and plan micro-batch `mb`, whose forward is `forward` (its tokens, sequence length
+        and kind; its routing comes at its gates), for the normal routing band; its saved tensors
+        go through the plan until `end_forward`. An engine that knows the schedule passes `phase`
+        ("warmup" or "steady") and `in_flight` (micro-batches awaiting backward, nanotron's
+        `len(state.microbatches_activations_requiring_backward)`): they are checked against
+        Algorithm 1's state, whose budgets are wrong if the two disagree. `ids`: the token ids the
+        model is given, when the caller has them: a view of a larger tensor (a micro-batch sliced
+        from a batch) keeps all of it through the embedding's saved ids, which the plan makes room
+        for (`_ids_view_bytes`). `varlen_bytes`: the storages of the varlen arguments the model is
+        given (`runtime.forward_kind.varlen_bytes`: TRL's padding-free packing), which a region
+        holding the layer arguments keeps: made room for too. Returns the micro-batch's event,
+        which its forward and backward complete."""
+        if self._running is not None:
+            raise ValueError(f"begin_forward({mb}): the forward of micro-batch {self._running.event.micro_batch} has not ended")
+        if forward.routed is not None:
+            raise ValueError(f"begin_forward({mb}): forward.routed is known before the forward; give it to foresee({mb}, forward) instead")
         if mb == 0:  # a new iteration: Algorithm 1 starts over, with nothing left of the last one
-            self.ledger.refresh_if_changed()  # the model moved or was wrapped since (`.cuda()`, DDP's prepare)
-            self._owner.check(self.ledger.modules)
-            if self._awaiting_backward:
-                raise ValueError(
-                    f"begin_forward(0): micro-batches {sorted(self._awaiting_backward)} of the last iteration await end_backward"
-                )
+            self._new_iteration()
         start = time.perf_counter()  # the planner's time from here: the checks of the model above are not its
         if mb == 0:
             if self.static is not None and self.ledger.device.type == "cuda":
                 self._rebase()
             self.decider.start_iteration(self.ledger.live_device_bytes)  # graphs kept from before (an abandoned forward's)
-        self._grow(mb, tokens, seq_len, kind)
-        pipe = self.recipe.pipeline
-        scheduled = self.phases.get(mb, "steady")
-        for name, given, wanted in (("phase", phase, scheduled), ("in_flight", in_flight, len(self._awaiting_backward))):
+        self._grow(mb, forward)
+        scheduled = self._scheduled(mb, phase, in_flight)
+        view = self._ids_view_bytes(ids)
+        decided = self._decide(mb, forward, view + varlen_bytes)
+        decision = decided.gates.decision
+        self.runtime.set_plan(decided.plan)
+        event = Event(
+            mb, scheduled, decided.budget, decision.activation_bytes, decided.plan.named(), decided.escalations, decided.deferred,
+            forward.tokens, forward.seq_len, decision.room_bytes, routed=decided.routed, balanced_pairs=decided.balanced,
+            kind=forward.kind._asdict(), capacity=self.stage.capacity, forward=self.forwards,
+            mitigation_s=decision.forward_extra_s + decision.backward_extra_s, ids_view_bytes=view, varlen_bytes=varlen_bytes,
+        )
+        self.micro_batches.running = mb
+        hooks = ExitStack()
+        hooks.enter_context(self.runtime.forward(refresh=False))
+        hooks.callback(setattr, self.gate, "active", False)
+        self.gate.active = True
+        expected = Expected(self.decider.costs[forward.kind], forward, self.stage.options)
+        self._running = _Running(event, decided, hooks, forward, expected, self.ledger.spilled_bytes)
+        event.planner_s = time.perf_counter() - start
+        return event
+
+    def _new_iteration(self) -> None:
+        """Before an iteration's first forward: the model moved or wrapped since (`.cuda()`, DDP's
+        prepare) is walked again, its recompute still ours, the last iteration's backwards all ended."""
+        self.ledger.refresh_if_changed()
+        self._owner.check(self.ledger.modules)
+        awaiting = self.micro_batches.awaiting()
+        if awaiting:
+            raise ValueError(f"begin_forward(0): micro-batches {awaiting} of the last iteration await end_backward")
+
+    def _scheduled(self, mb: int, phase: str | None, in_flight: int | None) -> str:
+        """Micro-batch `mb`'s phase in the schedule, checked against what the engine says of it."""
+        pipe, scheduled = self.recipe.pipeline, self.phases.get(mb, "steady")
+        for name, given, wanted in (("phase", phase, scheduled), ("in_flight", in_flight, len(self.micro_batches.awaiting()))):
             if given is not None and given != wanted:
                 raise ValueError(
                     f"begin_forward({mb}): the engine says {name}={given!r}, but pipeline rank {pipe.rank} of "
                     f"pp {pipe.pp} running 1F1B expects {wanted!r}: check the recipe's pipeline section against "
                     "the engine, and that end_backward is called"
                 )
+        return scheduled
+
+    def _decide(self, mb: int, forward: Forward, held: int) -> Decisions:
+        """Micro-batch `mb`'s budget and plan (its foreseen routing's, else the normal band's),
+        `held` bytes kept beyond its cost model whatever the plan; under lockstep with every op
+        another rank recomputes."""
         # plan for the common case (97.1% of iterations stay under normal_max_imbalance, §II-B),
         # leaving each gate what it needs to catch routing up to spike_max_imbalance
-        foreseen = self._foreseen.pop(mb, None)
-        if foreseen is not None and foreseen[0] != (tokens, seq_len, kind):
-            raise ValueError(
-                f"begin_forward({mb}): foreseen for {foreseen[0][0]} tokens of length {foreseen[0][1]} ({foreseen[0][2]}), "
-                f"but {tokens} of length {seq_len} ({kind}) come"
-            )
-        view = self._ids_view_bytes(ids)
-        decided = self.decider.begin(mb, tokens, seq_len, kind, None if foreseen is None else foreseen[1], held=view + varlen_bytes)
-        decision, budget = decided.gates.decision, decided.budget
+        state = self.micro_batches.of(mb)
+        foreseen, state.foreseen = state.foreseen, None
+        if foreseen is not None and replace(foreseen[0], routed=None) != forward:
+            raise ValueError(f"begin_forward({mb}): foreseen for {foreseen[0]}, but {forward} comes")
+        foresight = None if foreseen is None else foreseen[1]
+        decided = self.decider.begin(mb, forward.tokens, forward.seq_len, forward.kind, foresight, held=held)
+        decision = decided.gates.decision
         if decided.slack + decided.gates.floor < 0:
             warnings.warn(
-                f"micro-batch {mb}: its budget of {budget} bytes is below what any plan keeps at the normal band's routing, "
-                f"every gate escalated ({decision.activation_bytes + decision.room_bytes - decided.gates.floor:.0f} bytes): "
-                "it runs the most mitigated plan, which fits only lighter routing; raise the capacity or the pipeline "
+                f"micro-batch {mb}: its budget of {decided.budget} bytes is below what any plan keeps at the normal band's "
+                f"routing, every gate escalated ({decision.activation_bytes + decision.room_bytes - decided.gates.floor:.0f} "
+                "bytes): it runs the most mitigated plan, which fits only lighter routing; raise the capacity or the pipeline "
                 "degree, or shorten the micro-batch",
-                RuntimeWarning, stacklevel=2,
+                RuntimeWarning, stacklevel=3,
             )
         if self._lockstep is not None:  # every op another rank of the group recomputes, recomputed here too
             decided.plan = recomputed_anywhere(decided.plan, self._ops, self._lockstep, self.ledger.device)
-        self.runtime.set_plan(decided.plan)
-        event = Event(
-            mb, scheduled, budget, decision.activation_bytes, decided.plan.named(), decided.escalations, decided.deferred, tokens, seq_len,
-            decision.room_bytes, routed=decided.routed, balanced_pairs=decided.balanced, kind=kind._asdict(),
-            capacity=self.stage.capacity, forward=self.forwards, mitigation_s=decision.forward_extra_s + decision.backward_extra_s,
-            ids_view_bytes=view, varlen_bytes=varlen_bytes,
-        )
-        self.ledger.micro_batch = mb
-        hooks = ExitStack()
-        hooks.enter_context(self.runtime.forward(refresh=False))
-        hooks.callback(setattr, self.gate, "active", False)
-        self.gate.active = True
-        expected = Expected(self.decider.costs[kind], tokens, seq_len, self.stage.options)
-        self._forward = _Forward(event, decided, hooks, kind, expected, self.ledger.spilled_bytes)
-        event.planner_s = time.perf_counter() - start
-        return event
+        return decided
 
     @property
     def running_kind(self) -> ForwardKind | None:
         """The kind of the forward running now (between `begin_forward` and `end_forward`); None
         when none is."""
-        return None if self._forward is None else self._forward.kind
+        return None if self._running is None else self._running.forward.kind
 
     def awaits_backward(self, mb: int | None = None) -> bool:
         """Whether micro-batch `mb`'s forward has ended and its backward not (`mb` None: any's)."""
-        return bool(self._awaiting_backward) if mb is None else mb in self._awaiting_backward
+        if mb is None:
+            return bool(self.micro_batches.awaiting())
+        state = self.micro_batches.get(mb)
+        return state is not None and state.event is not None
 
     def rekind(self, kind: ForwardKind) -> None:
         """The running forward is of `kind` after all: autocast entered inside the model's forward
         (accelerate's wrapper), seen at its decoder before it saved anything. Its gates and the
         check after it measure it as one; its plan stays (the model's pre-hooks armed for it)."""
-        f = self._forward
+        f = self._running
         if f is None:
             raise ValueError("rekind: no forward is running")
-        e = f.event
-        self._grow(e.micro_batch, e.tokens, e.seq_len, kind)
-        f.kind, e.kind = kind, kind._asdict()
-        f.expected = Expected(self.decider.costs[kind], e.tokens, e.seq_len, self.stage.options)
+        f.forward = replace(f.forward, kind=kind)
+        self._grow(f.event.micro_batch, f.forward)
+        f.event.kind = kind._asdict()
+        f.expected = Expected(self.decider.costs[kind], f.forward, self.stage.options)
 
     def _ids_view_bytes(self, ids: torch.Tensor | None) -> int:
         """The bytes of the storage behind `ids` beyond the ids themselves, which the cost model
@@ -386,8 +427,8 @@ class Provisioner:
         decisions: an oracle's first pass, whose forward routes as the training forward will
         (under expert parallelism every rank of the group runs it at once: dispatch exchanges the
         counts)."""
-        if self._forward is not None:
-            raise ValueError(f"routing(): the forward of micro-batch {self._forward.event.micro_batch} has not ended")
+        if self._running is not None:
+            raise ValueError(f"routing(): the forward of micro-batch {self._running.event.micro_batch} has not ended")
         self.gate.reset()
         self.gate.active = True
         try:
@@ -399,19 +440,25 @@ class Provisioner:
         self.gate.reset()
         return routed
 
-    def foresee(self, mb: int, tokens: int, seq_len: int, routed: dict[int, int], *, kind: ForwardKind = ForwardKind()) -> None:
-        """Micro-batch `mb`'s next forward brings `routed` local pairs to each MoE layer (`routing`'s):
-        it is planned by Algorithm 2 for that routing, not for the normal band (paper §V-A's
-        planning with the routing known: the oracle benchmarks measure adaptive provisioning
-        against). Prepared now, so its forward decides by lookup."""
-        self._grow(mb, tokens, seq_len, kind)
-        self._foreseen[mb] = ((tokens, seq_len, kind), self.decider.foresee(tokens, seq_len, routed, kind))
+    def foresee(self, mb: int, forward: Forward) -> None:
+        """Micro-batch `mb`'s next forward is `forward`, its local routed pairs per MoE layer known
+        (`forward.routed`: `routing`'s): it is planned by Algorithm 2 for that routing, not for
+        the normal band (paper §V-A's planning with the routing known: the oracle benchmarks
+        measure adaptive provisioning against). Prepared now, so its forward decides by lookup."""
+        if forward.routed is None:
+            raise ValueError(f"foresee({mb}): forward.routed is None; give the routing the forward will bring (routing())")
+        self._grow(mb, forward)
+        cost = self.decider.costs[forward.kind]
+        cost.loads(forward)  # a routing that is not one number or one per MoE layer: the error names the layers
+        pairs = forward.routed if isinstance(forward.routed, tuple) else (forward.routed,) * len(cost.moe_layers)
+        routed = dict(zip(cost.moe_layers, pairs))
+        self.micro_batches.of(mb).foreseen = (forward, self.decider.foresee(forward.tokens, forward.seq_len, routed, forward.kind))
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor | None, local_pairs: torch.Tensor | int) -> None:
         """Deferred planning: the experts of `layer` have not run yet (`planner.at_gate`). Under
         expert parallelism every rank of the group answers whether one asks for the collective
         escalation, at every gate (so the ranks' collectives stay in one order)."""
-        f = self._forward
+        f = self._running
         if f is None or layer not in f.decided.gates.costs:
             return
         group, before = self._groups.get(layer), f.decided.plan
@@ -436,18 +483,18 @@ class Provisioner:
 
     def _entered(self, op: OpId) -> None:
         """The op tracker's listener: which ops the running forward has entered (`_on_gate`)."""
-        if self._forward is not None:
-            self._forward.ran.setdefault(op.layer, set()).add(op.name)
+        if self._running is not None:
+            self._running.ran.setdefault(op.layer, set()).add(op.name)
 
     def end_forward(self, mb: int) -> int:
         """The bytes micro-batch `mb` really keeps; its budget becomes that, with the room its
         backward needs to bring offloaded copies back (Algorithm 1; the Ledger counts restored
         copies on the device, as the allocator does)."""
-        f = self._forward
+        f = self._running
         if f is None or f.event.micro_batch != mb:
             raise ValueError(f"end_forward({mb}): no forward of micro-batch {mb} is running")
         f.hooks.close()
-        self._forward = None
+        self._running = None
         actual = self.ledger.by_micro_batch().get(mb, 0)
         self.decider.end(f.decided, actual + round(f.event.room_bytes))
         e = f.event
@@ -462,41 +509,41 @@ class Provisioner:
                 "warning names what kept more, and later micro-batches are planned on it (Event.spilled_bytes)",
                 RuntimeWarning, stacklevel=2,
             )
-        cost = self.decider.costs[f.kind]
-        e.mitigated = cost.mitigated(e.tokens, gate_pairs(cost, e.routed), e.seq_len, f.decided.plan, self.stage.options)
+        f.forward = replace(f.forward, routed=gate_pairs(self.decider.costs[f.forward.kind], e.routed))  # as its gates saw it
+        e.mitigated = self.decider.costs[f.forward.kind].mitigated(f.forward, f.decided.plan, self.stage.options)
         self._calibrate(f)
         e.peak_device_bytes = self.peak_device_bytes
         e.device_bytes = self.stage.static_bytes + self.ledger.live_device_bytes
         self.log.ended(e)
         self.forwards += 1
         self.planner_s += e.planner_s
-        self._awaiting_backward[mb] = e
+        self.micro_batches.of(mb).event = e
         return actual
 
-    def _calibrate(self, f: _Forward) -> None:
+    def _calibrate(self, f: _Running) -> None:
         """Forward `f`'s bytes per op against its kind's cost model (`runtime.calibration`): the
         misses in its event; the kind planned on a corrected cost model from now on where an op
         kept more, whose floor is checked at once (an error with the numbers where it no longer fits)."""
-        e, cost = f.event, self.decider.costs[f.kind]
+        e, cost = f.event, self.decider.costs[f.forward.kind]
         measured = self.ledger.by_op(micro_batch=e.micro_batch)
         for op, n in self.ledger.by_op("spilled", micro_batch=e.micro_batch).items():  # kept, then moved by the Ledger
             measured[op] = measured.get(op, 0) + n
         if not measured:  # its saves are gone already (its backward ran before end_forward): nothing to compare
             return
         e.misses, corrected = self.calibration.check(
-            f.kind, cost, measured, e.tokens, e.routed, e.seq_len, f.decided.plan, self.stage.options, e.ids_view_bytes,
-            e.varlen_bytes,
+            f.forward, cost, measured, f.decided.plan, self.stage.options, e.ids_view_bytes, e.varlen_bytes
         )
         if corrected is not cost:
-            self.decider.add(f.kind, corrected)
-            self._floor(e.micro_batch, e.tokens, e.seq_len, f.kind)
+            self.decider.add(f.forward.kind, corrected)
+            self._floor(e.micro_batch, f.forward)
 
     def end_backward(self, mb: int) -> int:
         """Micro-batch `mb`'s activations are released; returns what the stage still keeps (the
         memory Algorithm 1 hands to the next forward), recorded in `mb`'s event, which is then
         complete and written to the telemetry file."""
         live = self.ledger.live_device_bytes
-        event = self._awaiting_backward.pop(mb, None)
+        state = self.micro_batches.get(mb)
+        event = None if state is None else state.event
         if event is None:
             raise ValueError(f"end_backward({mb}): micro-batch {mb} has no finished forward awaiting its backward")
         event.live_after_backward = live
@@ -536,19 +583,20 @@ class Provisioner:
         the capacity (the Ledger's simulated one says so already)."""
         if isinstance(error, torch.OutOfMemoryError) and not isinstance(error, SimulatedOutOfMemoryError):
             error.add_note(self._memory_note())
-        if self._forward is not None:
-            self._forward.hooks.close()
-            self.ledger.retire(self._forward.event.micro_batch)
-            self._forward = None
-        self._foreseen.clear()
+        if self._running is not None:
+            self._running.hooks.close()
+            self.ledger.retire(self._running.event.micro_batch)
+            self._running = None
         if self.executor is not None:
             self.executor.start()
-        if self._awaiting_backward:
-            self.log.drop(self._awaiting_backward.values())
-            self.forwards -= len(self._awaiting_backward)
-        for mb in self._awaiting_backward:
-            self.ledger.retire(mb)
-        self._awaiting_backward.clear()
+        awaiting = [state for state in self.micro_batches if state.event is not None]
+        if awaiting:
+            self.log.drop([state.event for state in awaiting])
+            self.forwards -= len(awaiting)
+        for state in self.micro_batches:
+            if state.event is not None:
+                self.ledger.retire(state.index)
+            state.foreseen = state.event = None
 
     def _memory_note(self) -> str:
         ledger, stage = self.ledger, self.stage

@@ -71,7 +71,7 @@ class Event:
     point: Point | None = None  # the fused scheduling point it began (runtime.dual_batch), if any
     routed: dict[int, int] = field(default_factory=dict)  # local routed pairs at each MoE layer's gate
     balanced_pairs: float = 0.0  # what balanced routing brings each MoE layer: `routed` / this is its imbalance
-    kind: dict = field(default_factory=dict)  # how its forward ran (`runtime.forward_kind.ForwardKind`)
+    kind: dict = field(default_factory=dict)  # how its forward ran (`costmodel.ForwardKind`)
     misses: list[Miss] = field(default_factory=list)  # ops that kept other bytes than predicted (`runtime.calibration`)
     ids_view_bytes: int = 0  # what its token ids keep beyond themselves: the larger tensor they are a view of (planned for)
     varlen_bytes: int = 0  # flash-attention's varlen arguments its layers receive (TRL's packing; planned for)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ..costmodel import Footprint, OpId, footprint
+from ..costmodel import Footprint, Forward, OpId, footprint
 from ..costmodel.model import holds_arguments
 from ..costmodel.plan import Plan
 from ..stage import Stage
@@ -84,7 +84,7 @@ class PlanCosts:
             return hit
         c = self.costs
         stage = c.stage
-        loads = c.cm.loads(stage.tokens, [c.balanced * x for x in imbalance], stage.recipe.batch.seq_len)
+        loads = c.cm.loads(Forward(stage.tokens, stage.recipe.batch.seq_len, [c.balanced * x for x in imbalance]))
         of_layer = dict(zip(c.cm.moe_layers, imbalance))
         fwd = bwd = 0.0
         total = Footprint()

@@ -7,7 +7,7 @@ through `forward(context, state, micro_batch, model)` and `backward(context, sta
 grad_accumulator)`. The subclass wraps those two and nothing else, so nanotron's loss scaling,
 its send/recv state and its schedule are untouched:
 
-- before a forward: `begin_forward(mb, tokens, seq_len, phase, in_flight)`, with the micro-batch
+- before a forward: `begin_forward(mb, Forward(tokens, seq_len), phase, in_flight)`, with the micro-batch
   id nanotron is about to count (`state.nb_forwards`), its phase in nanotron's loop and the
   micro-batches whose activations await backward (`state.microbatches_activations_requiring_backward`);
   the Provisioner checks both against its own 1F1B schedule;
@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine  # noqa: E402
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
 
+from ...costmodel import Forward  # noqa: E402
 from ...costmodel.pipeline import fused_points, one_f_one_b  # noqa: E402
 from ...runtime.dual_batch import DualBatchExecutor, StagePieces  # noqa: E402
 from ...runtime.provisioner import Provisioner  # noqa: E402
@@ -51,7 +52,7 @@ class BagualuPipelineEngine(OneForwardOneBackwardPipelineEngine):
         mb = state.nb_forwards  # nanotron counts it inside super().forward
         in_flight = len(state.microbatches_activations_requiring_backward)
         phase = "warmup" if mb < self._warmup else "steady"
-        self.provisioner.begin_forward(mb, self.tokens, self.seq_len, phase=phase, in_flight=in_flight)
+        self.provisioner.begin_forward(mb, Forward(self.tokens, self.seq_len), phase=phase, in_flight=in_flight)
         output = super().forward(context, state, micro_batch, model)
         self.provisioner.end_forward(mb)
         return output
