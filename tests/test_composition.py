@@ -5,6 +5,8 @@ before or after the plugin, and one replaced mid-run. The recompute regions run 
 in force, gradients stay bitwise, and `remove()` takes back exactly what was ours. torch.compile,
 which traces the plugin's hooks into its graphs, is refused by name at the forward's end."""
 
+import gc
+
 import pytest
 import torch
 from helpers import tiny_recipe
@@ -235,6 +237,10 @@ def test_a_compiled_training_forward_is_refused_by_name_and_the_model_trains_on_
         else:
             run_iteration(compiled, [ids], prov.stage.schedule, prov)
     torch._dynamo.reset()
+    # the refused forward's graph lives as long as whatever holds its error's frames, a reference cycle included
+    # (a CI run on torch 2.11 still held it at the next forward): counted while it lives, as an abandoned graph is
+    gc.collect()
+    assert prov.ledger.live_device_bytes == 0 and not prov.awaits_backward()  # it left nothing behind
     model(input_ids=ids, labels=ids).loss.backward()
     assert [bool(e.plan) for e in prov.events] == [True] and prov.peak_device_bytes <= prov.stage.capacity
     prov.remove()
