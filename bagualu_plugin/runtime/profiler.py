@@ -201,7 +201,7 @@ def profile(
     shapes = [(b, t // b) for b in (1, 2, 4) for t in counts]
     runs = [(b, length, s) for b, length in shapes for s in (skews if group is not None else (None,))]
     generator = torch.Generator().manual_seed(seed)
-    device = next(model.parameters()).device
+    device = adapter.weight.device
     vocab = adapter.config.vocab_size
 
     samples: list[dict[int, BlockSample]] = []
