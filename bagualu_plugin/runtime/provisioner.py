@@ -449,9 +449,8 @@ class Provisioner:
             raise ValueError(f"foresee({mb}): forward.routed is None; give the routing the forward will bring (routing())")
         self._grow(mb, forward)
         cost = self.decider.costs[forward.kind]
-        cost.loads(forward)  # a routing that is not one number or one per MoE layer: the error names the layers
-        pairs = forward.routed if isinstance(forward.routed, tuple) else (forward.routed,) * len(cost.moe_layers)
-        routed = dict(zip(cost.moe_layers, pairs))
+        loads = cost.loads(forward)  # a routing that is not one number or one per MoE layer: the error names the layers
+        routed = {layer: loads[layer].routed for layer in cost.moe_layers}
         self.micro_batches.of(mb).foreseen = (forward, self.decider.foresee(forward.tokens, forward.seq_len, routed, forward.kind))
 
     def _on_gate(self, layer: int, tokens_per_expert: torch.Tensor | None, local_pairs: torch.Tensor | int) -> None:
@@ -509,8 +508,9 @@ class Provisioner:
                 "warning names what kept more, and later micro-batches are planned on it (Event.spilled_bytes)",
                 RuntimeWarning, stacklevel=2,
             )
-        f.forward = replace(f.forward, routed=gate_pairs(self.decider.costs[f.forward.kind], e.routed))  # as its gates saw it
-        e.mitigated = self.decider.costs[f.forward.kind].mitigated(f.forward, f.decided.plan, self.stage.options)
+        cost = self.decider.costs[f.forward.kind]
+        f.forward = replace(f.forward, routed=gate_pairs(cost, e.routed))  # as its gates saw it
+        e.mitigated = cost.mitigated(f.forward, f.decided.plan, self.stage.options)
         self._calibrate(f)
         e.peak_device_bytes = self.peak_device_bytes
         e.device_bytes = self.stage.static_bytes + self.ledger.live_device_bytes
@@ -589,14 +589,15 @@ class Provisioner:
             self._running = None
         if self.executor is not None:
             self.executor.start()
-        awaiting = [state for state in self.micro_batches if state.event is not None]
-        if awaiting:
-            self.log.drop([state.event for state in awaiting])
-            self.forwards -= len(awaiting)
+        dropped = []
         for state in self.micro_batches:
             if state.event is not None:
+                dropped.append(state.event)
                 self.ledger.retire(state.index)
             state.foreseen = state.event = None
+        if dropped:
+            self.log.drop(dropped)
+            self.forwards -= len(dropped)
 
     def _memory_note(self) -> str:
         ledger, stage = self.ledger, self.stage
